@@ -1,0 +1,1 @@
+"""lorafleet_worker."""
