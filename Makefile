@@ -31,8 +31,8 @@ test: setup  ## run every test (unit, integration, e2e)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 lint: setup-python  ## ruff and mypy
-	$(VENV)/bin/ruff check worker operator jobs tests
-	$(VENV)/bin/ruff format --check worker operator jobs tests
+	$(VENV)/bin/ruff check worker operator jobs tests bench
+	$(VENV)/bin/ruff format --check worker operator jobs tests bench
 	$(VENV)/bin/mypy
 
 fmt: setup-python  ## format the code

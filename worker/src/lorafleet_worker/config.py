@@ -34,6 +34,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    sliding_window: int | None = None  # Mistral v0.1 style: every layer attends to the last N tokens
 
     @property
     def q_size(self) -> int:
@@ -70,6 +71,9 @@ class ModelConfig:
         rope_scaling = raw.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
+        sliding_window = raw.get("sliding_window") if model_type == "mistral" else None
+        if model_type != "mistral" and raw.get("use_sliding_window"):
+            raise ModelConfigError(f"sliding-window attention is not supported for model_type {model_type!r}")
         return cls(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
@@ -89,4 +93,5 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            sliding_window=int(sliding_window) if sliding_window else None,
         )

@@ -1,0 +1,289 @@
+"""Engine benchmark: lorafleet vs Hugging Face transformers + PEFT, side by side in one run.
+
+Scenarios (prompt 128 tokens, 64 output tokens, greedy, EOS ignored), each at concurrency
+1, 8, 32 and 64:
+  base     base model only
+  one      every request uses the same adapter (rank 16)
+  mixed16  16 adapters, ranks 8/16/32/64 round-robin
+  churn64  64 adapters, lorafleet with --max-loras 16 (slot churn)
+
+lorafleet runs the in-process `Engine` (continuous batching); the peer runs
+`PeftModel.generate(adapter_names=...)` in static batches of `concurrency` requests, the
+mixed-adapter batch inference PEFT documents. Each (system, scenario) runs in its own
+subprocess so that peak memory is its own.
+
+    python bench/bench_engine.py                 # the full run (writes bench/engine.json)
+    python bench/bench_engine.py --quick         # concurrency 1 and 8, fewer scenarios
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MIXED_RANKS, bench_adapter, bench_model, log, machine, peak_rss_mib, percentile, write_json
+
+PROMPT_LEN = 128
+OUTPUT_LEN = 64
+SCENARIOS: dict[str, dict[str, int]] = {
+    "base": {"adapters": 0, "max_loras": 16},
+    "one": {"adapters": 1, "max_loras": 16},
+    "mixed16": {"adapters": 16, "max_loras": 16},
+    "churn64": {"adapters": 64, "max_loras": 16},
+}
+
+
+def adapter_plan(n: int) -> list[tuple[str, int]]:
+    """(name, rank) of the scenario's adapters; a single adapter is rank 16."""
+    if n == 1:
+        return [("a000", 16)]
+    return [(f"a{i:03d}", MIXED_RANKS[i % len(MIXED_RANKS)]) for i in range(n)]
+
+
+def requests_for(concurrency: int, adapters: list[str], vocab: int) -> list[tuple[list[int], str | None]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(concurrency)
+    n = max(4, concurrency)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(10, vocab, (PROMPT_LEN,), generator=gen).tolist()
+        out.append((prompt, adapters[i % len(adapters)] if adapters else None))
+    return out
+
+
+def summarize(
+    wall: float, ttfts: list[float], itls: list[float], tokens: int, concurrency: int, n: int
+) -> dict[str, Any]:
+    return {
+        "concurrency": concurrency,
+        "requests": n,
+        "output_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "output_tok_s": round(tokens / wall, 2),
+        "ttft_p50_ms": _ms(percentile(ttfts, 50)),
+        "ttft_p99_ms": _ms(percentile(ttfts, 99)),
+        "itl_p50_ms": _ms(percentile(itls, 50)),
+        "itl_p99_ms": _ms(percentile(itls, 99)),
+    }
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1000, 2)
+
+
+# ---------------------------------------------------------------------------- lorafleet
+
+
+def run_lorafleet(model: Path, scenario: str, concurrencies: list[int], device: str) -> list[dict[str, Any]]:
+    from lorafleet_worker.engine import Engine
+    from lorafleet_worker.sampling import SamplingParams
+
+    spec = SCENARIOS[scenario]
+    plan = adapter_plan(spec["adapters"])
+    engine = Engine(
+        model,
+        device=device,
+        max_loras=spec["max_loras"],
+        max_cpu_loras=max(64, len(plan)),
+        max_lora_rank=64,
+        max_num_seqs=max(concurrencies),
+        max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
+    )
+
+    async def main() -> list[dict[str, Any]]:
+        await engine.start()
+        for name, rank in plan:
+            await engine.add_adapter(name, bench_adapter(model, int(name[1:]), rank))
+        names = [n for n, _ in plan]
+        results = []
+        await one_pass(engine, SamplingParams, requests_for(1, names, engine.config.vocab_size)[:1], 1)  # warm-up
+        for c in concurrencies:
+            reqs = requests_for(c, names, engine.config.vocab_size)
+            res = await one_pass(engine, SamplingParams, reqs, c)
+            log(f"lorafleet {scenario} c={c}: {res['output_tok_s']} tok/s")
+            results.append(res)
+        await engine.stop()
+        return results
+
+    return asyncio.run(main())
+
+
+async def one_pass(engine: Any, params_cls: Any, reqs: list[tuple[list[int], str | None]], c: int) -> dict[str, Any]:
+    queue: asyncio.Queue[tuple[int, list[int], str | None]] = asyncio.Queue()
+    for i, (prompt, adapter) in enumerate(reqs):
+        queue.put_nowait((i, prompt, adapter))
+    ttfts: list[float] = []
+    itls: list[float] = []
+    tokens = 0
+
+    async def client() -> None:
+        nonlocal tokens
+        while not queue.empty():
+            i, prompt, adapter = queue.get_nowait()
+            params = params_cls(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
+            t0 = last = time.perf_counter()
+            first = True
+            async for _ in engine.generate(f"r{c}-{i}-{t0}", prompt, params, adapter):
+                now = time.perf_counter()
+                (ttfts if first else itls).append(now - (t0 if first else last))
+                first, last = False, now
+                tokens += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(c)))
+    return summarize(time.perf_counter() - t0, ttfts, itls, tokens, c, len(reqs))
+
+
+# ---------------------------------------------------------------------------- transformers + PEFT
+
+
+def run_peft(model: Path, scenario: str, concurrencies: list[int], device: str) -> list[dict[str, Any]]:
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    spec = SCENARIOS[scenario]
+    plan = adapter_plan(spec["adapters"])
+    hf: Any = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).eval()
+    if plan:
+        from peft import PeftModel
+
+        name0, rank0 = plan[0]
+        hf = PeftModel.from_pretrained(hf, bench_adapter(model, 0, rank0), adapter_name=name0)
+        for name, rank in plan[1:]:
+            hf.load_adapter(bench_adapter(model, int(name[1:]), rank), adapter_name=name)
+        hf.eval()
+    vocab = hf.config.vocab_size
+
+    class StepClock(LogitsProcessor):
+        """Records the time of every decoding step (the first one ends the prefill)."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            self.times.append(time.perf_counter())
+            return scores
+
+    def generate(batch: list[tuple[list[int], str | None]]) -> tuple[float, list[float]]:
+        ids = torch.tensor([p for p, _ in batch], device=device)
+        clock = StepClock()
+        kwargs: dict[str, Any] = {}
+        if plan:
+            kwargs["adapter_names"] = [a or "__base__" for _, a in batch]
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=OUTPUT_LEN,
+                min_new_tokens=OUTPUT_LEN,
+                do_sample=False,
+                logits_processor=LogitsProcessorList([clock]),
+                pad_token_id=0,
+                **kwargs,
+            )
+        return t0, clock.times
+
+    names = [n for n, _ in plan]
+    generate(requests_for(1, names, vocab)[:1])  # warm-up
+    results = []
+    for c in concurrencies:
+        reqs = requests_for(c, names, vocab)
+        ttfts: list[float] = []
+        itls: list[float] = []
+        tokens = 0
+        start = time.perf_counter()
+        for i in range(0, len(reqs), c):
+            batch = reqs[i : i + c]
+            t0, times = generate(batch)
+            ttfts += [times[0] - t0] * len(batch)
+            itls += [b - a for a, b in itertools.pairwise(times)] * len(batch)
+            tokens += len(times) * len(batch)
+        res = summarize(time.perf_counter() - start, ttfts, itls, tokens, c, len(reqs))
+        log(f"peft {scenario} c={c}: {res['output_tok_s']} tok/s")
+        results.append(res)
+    return results
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+def child(args: argparse.Namespace) -> None:
+    model = bench_model()
+    runner = run_lorafleet if args.system == "lorafleet" else run_peft
+    results = runner(model, args.scenario, args.concurrency, args.device)
+    print(json.dumps({"results": results, "peak_rss_mib": round(peak_rss_mib(), 1)}))
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="concurrency 1 and 8; scenarios base and mixed16")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    ap.add_argument("--systems", nargs="+", default=["lorafleet", "peft"], choices=["lorafleet", "peft"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--system", help=argparse.SUPPRESS)
+    ap.add_argument("--scenario", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    if args.quick:
+        args.concurrency, args.scenarios = [1, 8], ["base", "mixed16"]
+
+    model = bench_model()
+    for name, rank in adapter_plan(max(SCENARIOS[s]["adapters"] for s in args.scenarios)):
+        bench_adapter(model, int(name[1:]), rank)
+    runs: dict[str, dict[str, Any]] = {}
+    for system in args.systems:
+        for scenario in args.scenarios:
+            log(f"running {system} / {scenario} at concurrency {args.concurrency}")
+            cmd = [sys.executable, __file__, "--child", "--system", system, "--scenario", scenario, "--device",
+                   args.device, "--concurrency", *map(str, args.concurrency)]  # fmt: skip
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+            runs[f"{system}/{scenario}"] = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def tok_s(key: str, c: int) -> float | None:
+        for r in runs.get(key, {}).get("results", []):
+            if r["concurrency"] == c:
+                return float(r["output_tok_s"])
+        return None
+
+    ratios = []
+    for c in args.concurrency:
+        for scenario in args.scenarios:
+            ratios.append(
+                {
+                    "concurrency": c,
+                    "scenario": scenario,
+                    "lorafleet_vs_base": ratio(tok_s(f"lorafleet/{scenario}", c), tok_s("lorafleet/base", c)),
+                    "lorafleet_vs_peft": ratio(tok_s(f"lorafleet/{scenario}", c), tok_s(f"peft/{scenario}", c)),
+                }
+            )
+    write_json(
+        "engine",
+        {
+            "machine": machine(),
+            "model": {"path": str(model), "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN},
+            "runs": runs,
+            "ratios": ratios,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

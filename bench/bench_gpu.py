@@ -1,0 +1,413 @@
+"""GPU benchmark of the Triton kernels and of multi-LoRA decode end to end (`make bench-gpu`).
+
+Kernels, per shape (Llama-3-8B projection widths, bf16):
+  lora        shrink + expand of one projection group (qkv, gate_up, down) for decode with 64 distinct
+              adapters (gathered layout), decode with 8 shared adapters and a 2048-token prefill
+              (segmented layout); uniform rank 16 and mixed ranks 8/16/32/64
+  attention   paged-attention decode, batch 1/16/64, context 1k-4k, GQA 1/4/8
+Each is timed against its torch reference (`TorchLoRABackend`, gather + SDPA attention), and reported as
+achieved bandwidth (the minimum bytes the op must move / time) and FLOP/s, also as a share of the device's
+peak (table `PEAKS`, matched by device name).
+
+End to end: `Engine` decode tokens/s with 64 concurrent requests over 1, 16 and 64 adapters vs base only,
+for the triton and the torch LoRA backends.
+
+    python bench/bench_gpu.py                        # needs CUDA; writes bench/gpu.json and bench/gpu.md
+    python bench/bench_gpu.py --dry-run              # CPU, Triton interpreter, tiny shapes (checks the script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MIXED_RANKS, OUT_DIR, bench_adapter, bench_model, log, machine
+
+# device name substring -> (HBM GB/s, dense fp16/bf16 tensor-core TFLOP/s); first match wins
+PEAKS: list[tuple[str, float, float]] = [
+    ("H200", 4800.0, 989.0),
+    ("H100 PCIe", 2000.0, 756.0),
+    ("H100 NVL", 3900.0, 835.0),
+    ("H100", 3350.0, 989.0),
+    ("A100-SXM4-80GB", 2039.0, 312.0),
+    ("A100 80GB PCIe", 1935.0, 312.0),
+    ("A100", 1555.0, 312.0),
+]
+
+
+def device_peak(name: str | None) -> tuple[float, float] | None:
+    """(GB/s, TFLOP/s) peaks of the named device, or None when it is not in `PEAKS`."""
+    for key, gbps, tflops in PEAKS:
+        if name and key in name:
+            return gbps, tflops
+    return None
+
+
+@dataclass(frozen=True)
+class LoRAShape:
+    group: str
+    in_dim: int
+    widths: tuple[int, ...]
+    num_tokens: int
+    num_adapters: int
+    ranks: tuple[int, ...]  # cycled over the adapters
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    batch: int
+    context: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+
+
+GROUPS = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
+TOKENS = [(64, 64), (64, 8), (2048, 8)]  # (tokens, adapters): decode distinct, decode shared, prefill
+LORA_SHAPES = [
+    LoRAShape(g, i, w, t, a, r) for g, (i, w) in GROUPS.items() for t, a in TOKENS for r in ((16,), MIXED_RANKS)
+]
+ATTN_SHAPES = [
+    AttnShape(1, 4096, 32, 8, 128),
+    AttnShape(16, 2048, 32, 8, 128),
+    AttnShape(64, 1024, 32, 8, 128),
+    AttnShape(64, 4096, 32, 8, 128),
+    AttnShape(16, 2048, 32, 32, 128),
+    AttnShape(16, 2048, 64, 8, 128),
+]
+DRY_LORA_SHAPES = [LoRAShape("qkv", 40, (48, 16, 16), 8, 4, MIXED_RANKS), LoRAShape("down", 72, (40,), 32, 2, (16,))]
+DRY_ATTN_SHAPES = [AttnShape(2, 40, 4, 1, 16)]
+E2E_ADAPTERS = (0, 1, 16, 64)
+
+
+def timer_for(device: Any) -> Callable[[Callable[[], Any]], float]:
+    """Seconds per call: triton's do_bench on CUDA; one timed call under the interpreter."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=100) / 1e3
+
+    def once(fn: Callable[[], Any]) -> float:
+        fn()  # first call jits / rewrites
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return once
+
+
+def rates(nbytes: float, flops: float, seconds: float, peak: tuple[float, float] | None, prefix: str) -> dict[str, Any]:
+    gbps, tflops = nbytes / seconds / 1e9, flops / seconds / 1e12
+    out = {
+        f"{prefix}_us": round(seconds * 1e6, 2),
+        f"{prefix}_GBps": round(gbps, 1),
+        f"{prefix}_TFLOPs": round(tflops, 3),
+    }
+    if peak is not None:
+        out[f"{prefix}_pct_peak_bw"] = round(100 * gbps / peak[0], 1)
+        out[f"{prefix}_pct_peak_flops"] = round(100 * tflops / peak[1], 2)
+    return out
+
+
+def bench_lora(
+    shape: LoRAShape, dtype: Any, device: Any, timer: Callable, peak: tuple[float, float] | None
+) -> dict[str, Any]:
+    import torch
+    from lorafleet_worker.kernels.testing import random_proj_weights
+    from lorafleet_worker.lora.backend import TorchLoRABackend
+    from lorafleet_worker.lora.triton_backend import TritonLoRABackend
+
+    adapter_ranks = [shape.ranks[i % len(shape.ranks)] for i in range(shape.num_adapters)]
+    n_slices = len(shape.widths)
+    w = random_proj_weights(
+        in_dim=shape.in_dim,
+        widths=shape.widths,
+        ranks=[[r] * n_slices for r in adapter_ranks],
+        max_rank=max(adapter_ranks),
+        dtype=dtype,
+        device=device,
+        poison=False,
+    )
+    slots = torch.tensor([i % shape.num_adapters for i in range(shape.num_tokens)], dtype=torch.int32, device=device)
+    x = torch.randn(shape.num_tokens, shape.in_dim, device=device, dtype=dtype)
+    out = torch.zeros(shape.num_tokens, sum(shape.widths), device=device, dtype=dtype)
+    triton_backend, torch_backend = TritonLoRABackend(), TorchLoRABackend(device)
+    info = triton_backend.prepare(slots)
+    elem = x.element_size()
+    out_total = sum(shape.widths)
+    tok_rank = sum(adapter_ranks[i % shape.num_adapters] for i in range(shape.num_tokens))
+    nbytes = (
+        shape.num_tokens * shape.in_dim * elem  # x
+        + sum(r * (shape.in_dim * n_slices + out_total) for r in adapter_ranks) * elem  # A and B of each adapter
+        + 2 * shape.num_tokens * out_total * elem  # out read + write
+        + 2 * tok_rank * n_slices * 4  # fp32 intermediate write + read
+    )
+    flops = 2 * tok_rank * (shape.in_dim * n_slices + out_total)
+    t_triton = timer(lambda: triton_backend.apply(x, out, w, info))
+    t_torch = timer(lambda: torch_backend.apply(x, out, w, info))
+    return {
+        "kernel": "lora_shrink_expand",
+        **asdict(shape),
+        "layout": "gathered" if triton_backend.use_gathered(info) else "segmented",
+        "bytes": nbytes,
+        "flops": flops,
+        **rates(nbytes, flops, t_triton, peak, "triton"),
+        **rates(nbytes, flops, t_torch, peak, "torch"),
+        "speedup_vs_torch": round(t_torch / t_triton, 2),
+    }
+
+
+def torch_decode_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, seq_lens: Any, scale: float) -> Any:
+    """The torch decode path of model.py: gather every block of the table, masked SDPA."""
+    import torch
+    import torch.nn.functional as F
+
+    b, max_blocks = block_tables.shape
+    bs, kvh, d = k_cache.shape[1:]
+    k = k_cache[block_tables].view(b, max_blocks * bs, kvh, d).transpose(1, 2)
+    v = v_cache[block_tables].view(b, max_blocks * bs, kvh, d).transpose(1, 2)
+    mask = (torch.arange(max_blocks * bs, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[:, :, 0, :]
+
+
+def bench_attention(
+    shape: AttnShape, dtype: Any, device: Any, timer: Callable, peak: tuple[float, float] | None
+) -> dict[str, Any]:
+    import torch
+    from lorafleet_worker.kernels.paged_attention import default_num_splits, paged_attention_decode
+    from lorafleet_worker.kernels.testing import random_paged_kv
+
+    kv = random_paged_kv(
+        [shape.context] * shape.batch,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        block_size=shape.block_size,
+        dtype=dtype,
+        device=device,
+        poison=False,
+    )
+    q = torch.randn(shape.batch, shape.num_heads, shape.head_dim, device=device, dtype=dtype)
+    scale = shape.head_dim**-0.5
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
+    elem = q.element_size()
+    nbytes = 2 * shape.batch * shape.context * shape.num_kv_heads * shape.head_dim * elem
+    nbytes += 2 * q.numel() * elem + kv.block_tables.numel() * 4
+    flops = 4 * shape.batch * shape.num_heads * shape.context * shape.head_dim
+    t_triton = timer(lambda: paged_attention_decode(*args))
+    t_torch = timer(lambda: torch_decode_attention(*args))
+    return {
+        "kernel": "paged_attention_decode",
+        **asdict(shape),
+        "gqa": shape.num_heads // shape.num_kv_heads,
+        "num_splits": default_num_splits(shape.batch, shape.num_kv_heads, shape.context, q.device),
+        "bytes": nbytes,
+        "flops": flops,
+        **rates(nbytes, flops, t_triton, peak, "triton"),
+        **rates(nbytes, flops, t_torch, peak, "torch"),
+        "speedup_vs_torch": round(t_torch / t_triton, 2),
+    }
+
+
+async def _decode_run(
+    engine: Any, adapters: list[str], num_seqs: int, prompt_len: int, max_tokens: int
+) -> dict[str, Any]:
+    from lorafleet_worker.sampling import SamplingParams
+
+    vocab = engine.config.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    counter = int(time.monotonic_ns())
+
+    async def one(i: int) -> tuple[int, float]:
+        prompt = [(7 * i + 13 * j) % (vocab - 10) + 10 for j in range(prompt_len)]
+        name = adapters[i % len(adapters)] if adapters else None
+        n, first = 0, 0.0
+        async for _ in engine.generate(f"bench-{counter}-{i}", prompt, params, adapter=name):
+            n += 1
+            if n == 1:
+                first = time.perf_counter()
+        return n, first
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(i) for i in range(num_seqs)))
+    end = time.perf_counter()
+    decode_start = max(first for _, first in results)  # every request is past its prefill
+    decode_tokens = sum(n - 1 for n, _ in results)
+    return {
+        "tokens": sum(n for n, _ in results),
+        "seconds": round(end - t0, 3),
+        "tokens_per_s": round(sum(n for n, _ in results) / (end - t0), 1),
+        "decode_tokens_per_s": round(decode_tokens / max(end - decode_start, 1e-9), 1) if decode_start < end else None,
+    }
+
+
+async def bench_e2e(
+    model: Path,
+    adapter_dirs: list[Path],
+    backend: str,
+    device: str,
+    dtype: str,
+    num_seqs: int,
+    prompt_len: int,
+    max_tokens: int,
+) -> list[dict[str, Any]]:
+    from lorafleet_worker.engine import Engine
+
+    max_loras = max(1, len(adapter_dirs))
+    engine = Engine(
+        model,
+        device=device,
+        dtype=dtype,
+        max_loras=max_loras,
+        max_num_seqs=num_seqs,
+        lora_backend=backend,
+        max_lora_rank=64,
+    )
+    await engine.start()
+    try:
+        names = [f"a{i:03d}" for i in range(len(adapter_dirs))]
+        for name, path in zip(names, adapter_dirs, strict=True):
+            await engine.add_adapter(name, path)
+        await _decode_run(engine, names[:1], min(4, num_seqs), prompt_len, 2)  # warm-up: jit, slots
+        rows = []
+        for n in E2E_ADAPTERS:
+            if n > len(names):
+                continue
+            res = await _decode_run(engine, names[:n], num_seqs, prompt_len, max_tokens)
+            rows.append({"backend": backend, "adapters": n, "num_seqs": num_seqs, **res})
+            log(f"e2e {backend} adapters={n}: {res['decode_tokens_per_s']} decode tok/s")
+        return rows
+    finally:
+        await engine.stop()
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    lines = [f"# GPU benchmark ({payload['device'] or 'no GPU'}, {payload['dtype']})", ""]
+    if payload["dry_run"]:
+        lines += ["Dry run: Triton interpreter on CPU, tiny shapes; the figures mean nothing.", ""]
+    pct = payload["peak"] is not None
+    head = "| shape | layout | triton µs | GB/s | TFLOP/s | % peak BW | torch µs | speedup |"
+    for kind, title in (("lora_shrink_expand", "LoRA shrink + expand"), ("paged_attention_decode", "Paged attention")):
+        lines += [f"## {title}", "", head, "|---|---|---|---|---|---|---|---|"]
+        for r in payload["kernels"]:
+            if r["kernel"] != kind:
+                continue
+            if kind == "lora_shrink_expand":
+                shape = f"{r['group']} T={r['num_tokens']} adapters={r['num_adapters']} ranks={r['ranks']}"
+                layout = r["layout"]
+            else:
+                shape = f"B={r['batch']} ctx={r['context']} H={r['num_heads']} GQA={r['gqa']} D={r['head_dim']}"
+                layout = f"splits={r['num_splits']}"
+            bw = r.get("triton_pct_peak_bw", "-") if pct else "-"
+            lines.append(
+                f"| {shape} | {layout} | {r['triton_us']} | {r['triton_GBps']} | {r['triton_TFLOPs']} | {bw} | "
+                f"{r['torch_us']} | {r['speedup_vs_torch']}x |"
+            )
+        lines.append("")
+    if payload["e2e"]:
+        lines += [
+            "## End-to-end decode",
+            "",
+            "| backend | adapters | seqs | decode tok/s | vs base |",
+            "|---|---|---|---|---|",
+        ]
+        base = {r["backend"]: r["decode_tokens_per_s"] for r in payload["e2e"] if r["adapters"] == 0}
+        for r in payload["e2e"]:
+            b, v = base.get(r["backend"]), r["decode_tokens_per_s"]
+            rel = f"{v / b:.2f}" if b and v else "-"
+            lines.append(f"| {r['backend']} | {r['adapters']} | {r['num_seqs']} | {v} | {rel} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes, one timed call")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--skip-e2e", action="store_true")
+    p.add_argument("--backends", default="triton,torch", help="LoRA backends for the end-to-end run")
+    p.add_argument("--num-seqs", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--out", type=Path, default=None, help="JSON output (default bench/gpu.json; dry run: $TMPDIR/gpu.dry-run.json)"
+    )
+    p.add_argument("--markdown", type=Path, default=None, help="markdown table (default: the JSON path with .md)")
+    args = p.parse_args(argv)
+    args.out = args.out or (Path(tempfile.gettempdir()) / "gpu.dry-run.json" if args.dry_run else OUT_DIR / "gpu.json")
+    args.markdown = args.markdown or args.out.with_suffix(".md")
+    if args.dry_run:
+        args.num_seqs, args.prompt_len, args.max_tokens = (
+            min(args.num_seqs, 2),
+            min(args.prompt_len, 8),
+            min(args.max_tokens, 2),
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        log("no CUDA device: run on a GPU machine, or use --dry-run to check the script on CPU")
+        return 2
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    dtype = getattr(torch, args.dtype)
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else None
+    peak = device_peak(name)
+    timer = timer_for(device)
+    payload: dict[str, Any] = {
+        "device": name,
+        "dtype": args.dtype,
+        "dry_run": args.dry_run,
+        "peak": {"GBps": peak[0], "TFLOPs": peak[1]} if peak else None,
+        "machine": machine(),
+        "kernels": [],
+        "e2e": [],
+    }
+    if not args.skip_kernels:
+        for lshape in DRY_LORA_SHAPES if args.dry_run else LORA_SHAPES:
+            payload["kernels"].append(row := bench_lora(lshape, dtype, device, timer, peak))
+            log(f"lora {lshape}: {row['triton_us']} us ({row['speedup_vs_torch']}x torch)")
+        for ashape in DRY_ATTN_SHAPES if args.dry_run else ATTN_SHAPES:
+            payload["kernels"].append(row := bench_attention(ashape, dtype, device, timer, peak))
+            log(f"attention {ashape}: {row['triton_us']} us ({row['speedup_vs_torch']}x torch)")
+    if not args.skip_e2e:
+        if args.dry_run:
+            model = bench_model(
+                "tiny-dry-run", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+            )
+            adapters = [bench_adapter(model, i, MIXED_RANKS[i % len(MIXED_RANKS)]) for i in range(1)]
+        else:
+            model = bench_model()
+            adapters = [bench_adapter(model, i, MIXED_RANKS[i % len(MIXED_RANKS)]) for i in range(max(E2E_ADAPTERS))]
+        e2e_dtype = "float32" if args.dry_run else args.dtype
+        for backend in args.backends.split(","):
+            payload["e2e"] += asyncio.run(
+                bench_e2e(
+                    model, adapters, backend, device.type, e2e_dtype, args.num_seqs, args.prompt_len, args.max_tokens
+                )
+            )
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    args.markdown.write_text(markdown(payload))
+    log(f"wrote {args.out} and {args.markdown}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Helpers shared by the benchmarks: the cached bench model/adapters, percentiles, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CACHE = Path(os.environ.get("LORAFLEET_CACHE", Path.home() / ".cache" / "lorafleet")) / "bench"
+OUT_DIR = Path(__file__).resolve().parent
+
+# ~97M parameters, Llama family, fp32: big enough that compute dominates on a CPU.
+BENCH_MODEL = dict(hidden_size=768, num_layers=14, num_heads=12, num_kv_heads=4, intermediate_size=2304, vocab_size=512)
+# LORAFLEET_BENCH_SMOKE=1: a ~1M-parameter model, to check that the scripts run end to end in seconds.
+SMOKE = os.environ.get("LORAFLEET_BENCH_SMOKE", "") not in ("", "0")
+SMOKE_MODEL = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=512)
+MIXED_RANKS = (8, 16, 32, 64)
+
+
+def log(msg: str) -> None:
+    """Progress on stderr (a child's stdout carries its JSON result)."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def bench_model(name: str | None = None, **overrides: Any) -> Path:
+    """The benchmark base model (the smoke model under LORAFLEET_BENCH_SMOKE), generated once and cached."""
+    from lorafleet_worker.devtools import make_tiny_model
+
+    name = name or ("llama-smoke" if SMOKE else "llama-100m")
+    out = CACHE / name
+    if not (out / "config.json").exists():
+        log(f"generating the benchmark model {name} in {out}")
+        shutil.rmtree(out.with_suffix(".tmp"), ignore_errors=True)
+        make_tiny_model(out.with_suffix(".tmp"), "llama", **{**(SMOKE_MODEL if SMOKE else BENCH_MODEL), **overrides})
+        out.with_suffix(".tmp").rename(out)
+    return out
+
+
+def bench_adapter(base: Path, index: int, rank: int) -> Path:
+    """Adapter `index` (rank `rank`, all seven projections) for `base`, cached."""
+    from lorafleet_worker.devtools import make_tiny_adapter
+
+    out = CACHE / f"{base.name}-adapters" / f"a{index:03d}-r{rank}"
+    if not (out / "adapter_config.json").exists():
+        tmp = out.with_suffix(".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        make_tiny_adapter(tmp, base, rank=rank, seed=1000 + index, strength=0.3)
+        tmp.rename(out)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+        "smoke": SMOKE,
+    }
+
+
+def write_json(name: str, payload: dict[str, Any]) -> Path:
+    """Write bench/<name>.json (bench/smoke/<name>.json under LORAFLEET_BENCH_SMOKE)."""
+    out_dir = OUT_DIR / "smoke" if SMOKE else OUT_DIR
+    out_dir.mkdir(exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    log(f"wrote {path}")
+    return path

@@ -1,0 +1,1 @@
+"""`make demo`: lorafleet end to end on this machine (see demo/run_demo.py)."""

@@ -1,0 +1,160 @@
+"""`make demo`: the whole lorafleet system on one machine, installed by its Helm chart.
+
+Starts the local control plane and node agent (tests/infra), generates a tiny base model and
+three LoRA adapters, installs the chart (operator, router, MinIO, two CPU workers that generate
+the same tiny model), uploads adapters to the chart's MinIO, serves one through a local
+Hugging Face endpoint (synced by the operator's Job), applies the example DynamoModels (one of
+them NVIDIA Dynamo's manifest, verbatim), waits for Ready, and asks every adapter through the
+router. `DEMO_KEEP=1` keeps everything running and prints how to reach it.
+
+If the operator or the control-plane tools are not available yet, it falls back to
+`make demo-worker` (a single worker, no Kubernetes) and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+# DynamoModel -> (OpenAI model name, where its adapter comes from)
+MODELS = {
+    "my-lora": ("my-custom-lora", "s3://my-bucket/my-lora"),  # examples/dynamo-my-lora.yaml (Dynamo's)
+    "code-lora": ("code-adapter", "s3://lorafleet/loras/code-lora"),  # examples/s3-loras.yaml
+    "sql-lora": ("sql-adapter", "s3://lorafleet/loras/sql-lora"),
+    "support-lora": ("support-adapter", "hf://lorafleet-demo/support-lora@main"),  # examples/hf-lora.yaml
+}
+PROMPTS = ("The fleet", "Once upon a time")
+_T0 = time.monotonic()
+
+
+def say(msg: str) -> None:
+    print(f"[{time.monotonic() - _T0:6.1f}s] {msg}", flush=True)
+
+
+def missing_parts() -> list[str]:
+    """What the full demo needs that is not there yet."""
+    missing = []
+    try:
+        from tests.infra.cluster import tool_path
+
+        for tool in ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl", "helm"):
+            try:
+                tool_path(tool)
+            except FileNotFoundError:
+                missing.append(f"{tool} (make setup builds it)")
+    except ImportError as exc:
+        missing.append(f"the local control plane ({exc})")
+    for module in ("lorafleet_operator.handlers", "lorafleet_operator.router", "tests.infra.nodeagent"):
+        try:
+            __import__(module)
+        except ImportError as exc:
+            missing.append(f"{module} ({exc})")
+    return missing
+
+
+def fallback(missing: list[str]) -> int:
+    say("the full demo needs: " + "; ".join(missing))
+    say("falling back to `make demo-worker` (one worker, no Kubernetes)")
+    return subprocess.call(["make", "--no-print-directory", "demo-worker"], cwd=ROOT)
+
+
+@contextlib.contextmanager
+def adapters_and_hub(workdir: Path) -> Iterator[tuple[dict[str, Path], str]]:
+    """Tiny base model + one adapter per DynamoModel; the hf:// one is served by a local Hub."""
+    from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
+
+    from tests.infra.hfhub import LocalHub
+
+    say("generating a tiny qwen3 base model and 4 LoRA adapters (real PEFT files)")
+    base = make_tiny_model(workdir / "base", "qwen3")
+    dirs = {
+        name: make_tiny_adapter(workdir / name, base, rank=4 + 2 * i, seed=10 + i, strength=3.0)
+        for i, name in enumerate(MODELS)
+    }
+    with LocalHub(workdir / "hub") as hub:
+        sha = hub.commit("lorafleet-demo/support-lora", dirs["support-lora"])
+        say(f"local Hugging Face endpoint {hub.url}: lorafleet-demo/support-lora@main = {sha[:12]}")
+        yield dirs, hub.url
+
+
+def wait_for_interrupt(release: object, router: str, kubeconfig: Path) -> None:
+    print(
+        "\nDEMO_KEEP=1: everything stays up until Ctrl-C.\n"
+        f"  export KUBECONFIG={kubeconfig}\n"
+        f"  {ROOT}/.venv/bin/python -c 'from tests.infra.cluster import tool_path; print(tool_path(\"kubectl\"))'"
+        "   # the kubectl to use\n"
+        "  kubectl get dm,pods -A\n"
+        f"  curl {router}/v1/models\n"
+        f"  curl {router}/v1/completions -H 'content-type: application/json' "
+        '-d \'{"model": "my-custom-lora", "prompt": "The fleet", "max_tokens": 16}\'\n',
+        flush=True,
+    )
+    stop = False
+
+    def handler(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    while not stop:
+        signal.pause()
+
+
+def run() -> int:
+    from tests.delivery.stack import BASE_MODEL, Release, default_values
+    from tests.infra.session import shared_cluster
+
+    keep = os.environ.get("DEMO_KEEP", "") not in ("", "0")
+    workdir = Path(tempfile.mkdtemp(prefix="lorafleet-demo-"))
+    try:
+        with adapters_and_hub(workdir) as (dirs, hub_url):
+            say("starting the local control plane (etcd, kube-apiserver, kube-controller-manager) and node agent")
+            with shared_cluster() as cluster:
+                release = Release(cluster, cluster.new_namespace("demo"), log=say)
+                release.deploy(default_values(cluster, workers=2, hf_endpoint=hub_url))
+                for name, (_, uri) in MODELS.items():
+                    if uri.startswith("s3://"):
+                        say(f"uploading adapter {name} to {uri} (the chart's MinIO)")
+                        release.upload(dirs[name], uri)
+                for example in ("dynamo-my-lora.yaml", "s3-loras.yaml", "hf-lora.yaml"):
+                    say(f"kubectl apply -f examples/{example}")
+                    release.apply(EXAMPLES / example)
+                for name in MODELS:
+                    dm = release.wait_ready(name, timeout=300)
+                    pods = ", ".join(e["podName"] for e in dm["status"]["endpoints"])
+                    say(f"DynamoModel {name} Ready on {pods}")
+                print("\n$ kubectl get dm\n" + release.table(), flush=True)
+                router = release.router_url()
+                say(f"asking every model through the router Service ({router})")
+                for model in (BASE_MODEL, *(m for m, _ in MODELS.values())):
+                    for prompt in PROMPTS:
+                        print(f"  {model:<18} {prompt!r:>20} -> {release.complete(model, prompt, 12)!r}", flush=True)
+                if keep:
+                    wait_for_interrupt(release, router, cluster.kubeconfig)
+                say("tearing down")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    say("done")
+    return 0
+
+
+def main() -> int:
+    missing = missing_parts()
+    if missing:
+        return fallback(missing)
+    return run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+# Delivery (issue 7): `make demo`, the kustomize manifests generated from the Helm chart, chart lint.
+.PHONY: demo manifests chart-lint
+
+HELM_BIN = $(shell $(PY) -c 'from tests.infra.cluster import tool_path; print(tool_path("helm"))')
+
+demo: setup  ## whole system on this machine: control plane, MinIO, chart, adapters, requests (DEMO_KEEP=1 stays up)
+	$(PY) -m demo.run_demo
+
+manifests: setup  ## regenerate manifests/ (kustomize base + dev overlay) from charts/lorafleet
+	HELM="$(HELM_BIN)" manifests/render.sh
+
+chart-lint: setup  ## helm lint the chart (strict)
+	"$(HELM_BIN)" lint --strict charts/lorafleet

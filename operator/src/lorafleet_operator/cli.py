@@ -1,0 +1,122 @@
+"""``lorafleet-operator`` (kopf operator) and ``lorafleet-router`` (OpenAI router) entry points."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from lorafleet_operator.settings import Settings, add_arguments
+
+OPERATOR_FLAGS = None  # every settings field except the router's
+ROUTER_FLAGS = ("namespaces", "all_namespaces", "inference_port", "router_port", "router_timeout", "bind_host")
+
+
+def _namespaces(settings: Settings) -> Settings:
+    """Default to the pod's own namespace (POD_NAMESPACE), else "default", unless cluster-wide."""
+    if settings.all_namespaces or settings.namespaces:
+        return settings
+    from dataclasses import replace
+
+    return replace(settings, namespaces=(os.environ.get("POD_NAMESPACE") or "default",))
+
+
+def _parse(prog: str, description: str, names: tuple[str, ...] | None, argv: Sequence[str] | None) -> Settings:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser, names)
+    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return _namespaces(Settings.from_sources(args=args))
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+        raise  # unreachable
+
+
+def operator_main(argv: Sequence[str] | None = None) -> None:
+    """Run the DynamoModel operator (kopf) until SIGTERM/SIGINT."""
+    settings = _parse(
+        "lorafleet-operator",
+        "Reconciles nvidia.com/v1alpha1 DynamoModels: places LoRA adapters on worker pods by HRW, "
+        "syncs hf:// sources into the object store, loads/unloads them through the workers' "
+        "management API. Every flag can also be set by the environment variable shown.",
+        OPERATOR_FLAGS,
+        argv,
+    )
+    import kopf
+    from lorafleet_sync.hf import HfSettings
+
+    from lorafleet_operator import handlers, metrics
+    from lorafleet_operator.kube import EventPoster, KubeClient
+    from lorafleet_operator.reconcile import Reconciler
+    from lorafleet_operator.syncjob import SyncJobs
+    from lorafleet_operator.workers import WorkerClient
+
+    logging.getLogger(__name__).info("starting with %r", settings)
+    metrics.serve(settings.metrics_port, settings.bind_host)
+
+    async def main() -> None:
+        kube = KubeClient.from_environment()
+        events = EventPoster(kube, "lorafleet-operator")
+        hf = HfSettings.from_env()
+        if settings.hf_endpoint:
+            hf = HfSettings(settings.hf_endpoint.rstrip("/"), hf.token)
+        client = WorkerClient(
+            token=settings.token(),
+            load_timeout=settings.load_timeout,
+            call_timeout=settings.call_timeout,
+            max_concurrency=settings.max_concurrent_calls,
+        )
+        reconciler = Reconciler(
+            client,
+            default_replicas=settings.default_replicas,
+            management_port=settings.management_port,
+            sync=SyncJobs(kube, settings, hf) if settings.store_configured else None,
+            emit=handlers.event_sink(events),
+            listing_ttl=settings.drift_interval,
+            retry_base=settings.retry_base,
+            retry_max=settings.retry_max,
+        )
+        runtime = handlers.Runtime(settings, reconciler, handlers.kube_status_writer(kube))
+        liveness = f"http://{settings.bind_host}:{settings.liveness_port}/healthz" if settings.liveness_port else None
+        try:
+            await kopf.operator(
+                clusterwide=settings.all_namespaces,
+                namespaces=() if settings.all_namespaces else settings.namespaces,
+                standalone=not settings.peering,
+                peering_name=settings.peering or None,
+                liveness_endpoint=liveness,
+                memo=kopf.Memo(runtime=runtime, kube=kube, events=events),
+            )
+        finally:
+            await kube.close()
+
+    asyncio.run(main())
+
+
+def router_main(argv: Sequence[str] | None = None) -> None:
+    """Run the OpenAI-compatible router in front of the workers."""
+    settings = _parse(
+        "lorafleet-router",
+        "OpenAI-compatible router: sends each request to a worker pod that holds its adapter "
+        "(fewest in-flight requests) or serves its base model; watches DynamoModels and worker pods.",
+        ROUTER_FLAGS,
+        argv,
+    )
+    from lorafleet_operator.router import run_router
+
+    try:
+        asyncio.run(run_router(settings))
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    operator_main()

@@ -1,0 +1,268 @@
+"""A small asyncio Kubernetes API client (aiohttp) and a list+watch informer.
+
+Credentials come from ``KUBECONFIG`` (or ``~/.kube/config``) through the official client's
+loader, else from the in-cluster service account. Objects are plain dicts. Used for status
+patches, sync Jobs and Secrets by the operator, and for the router's watches (the router
+does not run kopf).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class KubeClient:
+    """``await kube.get('/api/v1/namespaces/x/pods/y')`` and friends, with the right credentials."""
+
+    def __init__(self, host: str, ssl_context: ssl.SSLContext | bool, token: Callable[[], str | None]) -> None:
+        self.host = host.rstrip("/")
+        self._ssl = ssl_context
+        self._token = token
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_environment(cls) -> KubeClient:
+        """Kubeconfig (``KUBECONFIG`` / ~/.kube/config) if present, else in-cluster."""
+        from kubernetes import client, config
+
+        kubeconfig = os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
+        cfg = client.Configuration()
+        if Path(kubeconfig.split(os.pathsep)[0]).is_file():
+            config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        else:
+            config.load_incluster_config(client_configuration=cfg)
+        ctx: ssl.SSLContext | bool
+        if cfg.verify_ssl:
+            ctx = (
+                ssl.create_default_context(cafile=cfg.ssl_ca_cert) if cfg.ssl_ca_cert else ssl.create_default_context()
+            )
+            if cfg.cert_file:
+                ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+        else:
+            ctx = False
+
+        def token() -> str | None:
+            if cfg.refresh_api_key_hook is not None:
+                cfg.refresh_api_key_hook(cfg)
+            # kubernetes >= 36.0.1 keeps the token under "BearerToken", older versions under "authorization"
+            value = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+            if value and " " not in value:
+                value = f"Bearer {value}"
+            return value or None
+
+        return cls(cfg.host, ctx, token)
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self._ssl, limit=32))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def _headers(self, content_type: str | None = None) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        if token := self._token():
+            headers["Authorization"] = token
+        if content_type:
+            headers["Content-Type"] = content_type
+        return headers
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        params: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+        timeout: float = 30.0,
+    ) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body)
+        async with self._http().request(
+            method,
+            self.host + path,
+            data=data,
+            params=params,
+            headers=self._headers(content_type if data is not None else None),
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as resp:
+            text = await resp.text()
+            if resp.status >= 400:
+                try:
+                    message = json.loads(text).get("message", text)
+                except ValueError:
+                    message = text
+                raise KubeError(resp.status, str(message)[:1000])
+            return json.loads(text) if text else {}
+
+    async def get(self, path: str, **kw: Any) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        try:
+            return await self.request("GET", path, **kw)
+        except KubeError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def create(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        return await self.request("POST", path, body)
+
+    async def merge_patch(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        return await self.request("PATCH", path, body, content_type="application/merge-patch+json")
+
+    async def delete(self, path: str, body: Mapping[str, Any] | None = None) -> None:
+        try:
+            await self.request("DELETE", path, body)
+        except KubeError as e:
+            if e.status != 404:
+                raise
+
+    async def watch(
+        self, path: str, params: Mapping[str, str], timeout_seconds: int = 300
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Watch events (``{"type", "object"}``) from ``resourceVersion`` in ``params``."""
+        query = {**params, "watch": "true", "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds)}
+        async with self._http().get(
+            self.host + path,
+            params=query,
+            headers=self._headers(),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=timeout_seconds + 30),
+        ) as resp:
+            if resp.status >= 400:
+                raise KubeError(resp.status, (await resp.text())[:1000])
+            async for line in resp.content:
+                if line.strip():
+                    yield json.loads(line)
+
+
+def collection_path(group: str, version: str, plural: str, namespace: str | None = None) -> str:
+    """``/api/v1/pods``, ``/apis/nvidia.com/v1alpha1/namespaces/ns/dynamomodels``..."""
+    prefix = "/api/v1" if not group else f"/apis/{group}/{version}"
+    return f"{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{prefix}/{plural}"
+
+
+EventHandler = Callable[[str, dict[str, Any]], Awaitable[None] | None]
+
+
+class Informer:
+    """List, then watch, forever; calls ``handler(type, object)`` for each change.
+
+    A relist (after a 410 Gone or a broken connection) reports objects that vanished meanwhile
+    as DELETED, so the consumer's cache stays exact. ``synced`` is set after the first list.
+    """
+
+    def __init__(
+        self, kube: KubeClient, path: str, handler: EventHandler, *, label_selector: str | None = None
+    ) -> None:
+        self.kube = kube
+        self.path = path
+        self.handler = handler
+        self.params = {"labelSelector": label_selector} if label_selector else {}
+        self.synced = asyncio.Event()
+        self._known: dict[str, dict[str, Any]] = {}
+
+    async def _emit(self, kind: str, obj: dict[str, Any]) -> None:
+        uid = (obj.get("metadata") or {}).get("uid", "")
+        if kind == "DELETED":
+            self._known.pop(uid, None)
+        else:
+            self._known[uid] = obj
+        result = self.handler(kind, obj)
+        if result is not None:
+            await result
+
+    async def run(self) -> None:
+        backoff = 0.5
+        while True:
+            try:
+                listing = await self.kube.request("GET", self.path, params=self.params)
+                items = listing.get("items") or []
+                seen = {(i.get("metadata") or {}).get("uid") for i in items}
+                for uid in [u for u in self._known if u not in seen]:
+                    await self._emit("DELETED", self._known[uid])
+                for item in items:
+                    await self._emit("MODIFIED", item)
+                self.synced.set()
+                version = (listing.get("metadata") or {}).get("resourceVersion", "")
+                backoff = 0.5
+                while True:
+                    async for event in self.kube.watch(self.path, {**self.params, "resourceVersion": version}):
+                        obj = event.get("object") or {}
+                        version = (obj.get("metadata") or {}).get("resourceVersion", version)
+                        if event.get("type") == "ERROR":
+                            raise KubeError(int(obj.get("code") or 500), str(obj.get("message")))
+                        if event.get("type") != "BOOKMARK":
+                            await self._emit(str(event.get("type")), obj)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # relist after any failure (410 Gone, connection loss)
+                log.info("watch of %s restarts: %s", self.path, e)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+
+class EventPoster:
+    """Posts core/v1 Events in the background (bounded queue; when full, new events are dropped).
+
+    ``post(involved_object, type, reason, message)`` never blocks; ``run()`` is the poster task.
+    """
+
+    def __init__(self, kube: KubeClient, component: str, maxsize: int = 10_000) -> None:
+        self.kube = kube
+        self.component = component
+        self.instance = os.environ.get("POD_NAME") or component
+        self.queue: asyncio.Queue[tuple[dict[str, Any], str, str, str]] = asyncio.Queue(maxsize)
+
+    def post(self, involved: dict[str, Any], kind: str, reason: str, message: str) -> None:
+        try:
+            self.queue.put_nowait((involved, kind, reason, message[:1024]))
+        except asyncio.QueueFull:
+            log.warning("event queue full, dropping %s event %s", kind, reason)
+
+    async def run(self) -> None:
+        from datetime import UTC, datetime
+
+        while True:
+            involved, kind, reason, message = await self.queue.get()
+            now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            namespace = involved.get("namespace") or "default"
+            body = {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"generateName": f"{involved.get('name', 'object')}.", "namespace": namespace},
+                "involvedObject": involved,
+                "type": kind,
+                "reason": reason,
+                "message": message,
+                "source": {"component": self.component},
+                "reportingComponent": self.component,
+                "reportingInstance": self.instance,
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
+            }
+            try:
+                await self.kube.create(f"/api/v1/namespaces/{namespace}/events", body)
+            except Exception as e:  # events are best effort
+                log.debug("cannot post event %s: %s", reason, e)

@@ -1,0 +1,280 @@
+"""``lorafleet-router``: an OpenAI-compatible front for the workers (SPEC §8).
+
+Routing table (kept current by two list+watch ``Informer`` s, no kopf: the router is a plain
+aiohttp process that can run several replicas):
+- a LoRA DynamoModel's ``modelName`` -> the inference ports of its ``status.endpoints`` with
+  ``ready: true`` whose pods are Ready; the request goes to the one with the fewest in-flight
+  requests through this router (ties broken at random);
+- any other name -> Ready pods labelled ``nvidia.com/dynamo-base-model-hash`` = sha256(name)[:8]
+  (base models; known base names come from DynamoModels' ``baseModelName`` / base entries).
+
+A connection failure before the first response byte, or a 404/503 from a worker that has just
+dropped the adapter, is retried on another endpoint; once bytes flowed they pass through
+unchanged (streaming included). ``/v1/models`` lists base models with a Ready pod and adapters
+with a ready endpoint. Unknown model -> 404 in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from lorafleet_operator import metrics
+from lorafleet_operator.reconcile import Model, Pod
+from lorafleet_operator.settings import Settings
+
+log = logging.getLogger(__name__)
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
+RETRY_STATUS = {404, 503}
+
+
+@dataclass
+class RoutingTable:
+    """DynamoModels and worker pods, as the router needs them."""
+
+    inference_port: int = 8000
+    models: dict[tuple[str, str], Model] = field(default_factory=dict)
+    pods: dict[tuple[str, str], Pod] = field(default_factory=dict)
+    created: dict[str, int] = field(default_factory=dict)
+
+    def on_model(self, kind: str, body: Mapping[str, Any]) -> None:
+        model = Model.from_body(body)
+        if kind == "DELETED":
+            self.models.pop(model.key, None)
+        else:
+            self.models[model.key] = model
+            self.created.setdefault(model.model_name, int(time.time()))
+
+    def on_pod(self, kind: str, body: Mapping[str, Any]) -> None:
+        pod = Pod.from_body(body)
+        if kind == "DELETED":
+            self.pods.pop((pod.namespace, pod.name), None)
+        else:
+            self.pods[(pod.namespace, pod.name)] = pod
+
+    def _url(self, ip: str) -> str:
+        return f"http://{ip}:{self.inference_port}"
+
+    def adapter(self, name: str) -> Model | None:
+        candidates = [m for m in self.models.values() if m.is_lora and m.model_name == name and not m.deleting]
+        return candidates[0] if candidates else None
+
+    def adapter_endpoints(self, model: Model) -> list[str]:
+        out = []
+        for ep in model.status.get("endpoints") or []:
+            if not ep.get("ready"):
+                continue
+            pod = self.pods.get((model.namespace, str(ep.get("podName"))))
+            if pod is not None:
+                if pod.ready and pod.ip:
+                    out.append(self._url(pod.ip))
+            elif host := urlsplit(str(ep.get("address", ""))).hostname:
+                out.append(self._url(host))  # pod not (yet) seen by the pod watch: trust the status
+        return out
+
+    def base_endpoints(self, name: str) -> list[str]:
+        wanted = base_model_hash(name)
+        return sorted(self._url(p.ip) for p in self.pods.values() if p.base_hash == wanted and p.ready and p.ip)
+
+    def base_names(self) -> set[str]:
+        names = {m.base_model_name for m in self.models.values()}
+        names |= {m.model_name for m in self.models.values() if m.model_type == "base"}
+        return names
+
+    def resolve(self, name: str) -> tuple[str, list[str]] | None:
+        """("adapter" | "base", upstream URLs) for a model name, or None when unknown."""
+        model = self.adapter(name)
+        if model is not None:
+            return "adapter", self.adapter_endpoints(model)
+        endpoints = self.base_endpoints(name)
+        if endpoints or name in self.base_names():
+            return "base", endpoints
+        return None
+
+    def listing(self) -> list[dict[str, Any]]:
+        data = []
+        for base in sorted(self.base_names()):
+            if self.base_endpoints(base):
+                data.append(_model_card(base, self.created.get(base, 0), None))
+        for model in sorted(self.models.values(), key=lambda m: m.model_name):
+            if model.is_lora and not model.deleting and self.adapter_endpoints(model):
+                data.append(_model_card(model.model_name, self.created.get(model.model_name, 0), model.base_model_name))
+        return data
+
+
+def _model_card(name: str, created: int, parent: str | None) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "lorafleet", "root": name,
+            "parent": parent}  # fmt: skip
+
+
+def openai_error(status: int, message: str, code: str, err_type: str = "invalid_request_error") -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": "model" if status == 404 else None, "code": code}}
+    return web.json_response(body, status=status)
+
+
+class Router:
+    """The aiohttp application: proxying with least-in-flight choice and pre-first-byte retries."""
+
+    def __init__(self, table: RoutingTable, timeout: float = 600.0, unavailable_wait: float = 30.0) -> None:
+        self.table = table
+        self.timeout = timeout
+        self.unavailable_wait = unavailable_wait
+        self.inflight: defaultdict[str, int] = defaultdict(int)
+        self._session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.add_routes(
+            [
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+                web.get("/healthz", self.health),
+                web.get("/metrics", self.metrics),
+                web.post("/v1/{path:.*}", self.proxy),
+            ]
+        )
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _close(self, _app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
+                timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=5),
+            )  # fmt: skip
+        return self._session
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": self.table.listing()})
+
+    def choose(self, endpoints: list[str], tried: set[str]) -> str | None:
+        left = [e for e in endpoints if e not in tried]
+        if not left:
+            return None
+        fewest = min(self.inflight[e] for e in left)
+        return random.choice([e for e in left if self.inflight[e] == fewest])
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            payload = json.loads(raw)
+            name = payload["model"]
+            if not isinstance(name, str):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            metrics.ROUTER_REQUESTS.labels("invalid", "400").inc()
+            return openai_error(400, "request body must be JSON with a string 'model'", "invalid_request")
+        resolved = self.table.resolve(name)
+        if resolved is None:
+            metrics.ROUTER_REQUESTS.labels("unknown", "404").inc()
+            return openai_error(404, f"The model `{name}` does not exist.", "model_not_found")
+        kind, endpoints = resolved
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        tried: set[str] = set()
+        last: tuple[int, bytes, str] | None = None
+        model = self.table.adapter(name) if kind == "adapter" else None
+        failed = model is not None and model.status.get("phase") == "Failed"
+        deadline = time.monotonic() + (0 if failed else self.unavailable_wait)
+        while True:
+            endpoint = self.choose(endpoints, tried)
+            if endpoint is None:
+                # every holder failed or none is ready (e.g. re-placement after its pods went away):
+                # wait a little for the operator to load it elsewhere instead of failing at once
+                if time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.2)
+                fresh = self.table.resolve(name)
+                endpoints = fresh[1] if fresh else []
+                continue
+            tried.add(endpoint)
+            if len(tried) > 1:
+                metrics.ROUTER_RETRIES.inc()
+            self.inflight[endpoint] += 1
+            metrics.ROUTER_INFLIGHT.inc()
+            try:
+                upstream = await self._http().post(endpoint + request.path_qs, data=raw, headers=headers)
+            except (aiohttp.ClientConnectionError, TimeoutError) as e:
+                log.info("endpoint %s failed before the first byte (%s); trying another", endpoint, e)
+                self._release(endpoint)
+                continue
+            try:
+                if upstream.status in RETRY_STATUS:
+                    last = (upstream.status, await upstream.read(), upstream.content_type)
+                    if self.choose(endpoints, tried) is not None or kind == "adapter":
+                        continue
+                return await self._relay(request, upstream, kind)
+            finally:
+                upstream.release()
+                self._release(endpoint)
+        if last is not None:
+            metrics.ROUTER_REQUESTS.labels(kind, str(last[0])).inc()
+            return web.Response(status=last[0], body=last[1], content_type=last[2])
+        metrics.ROUTER_REQUESTS.labels(kind, "503").inc()
+        return openai_error(503, f"no reachable worker holds `{name}` right now", "model_unavailable",
+                            "service_unavailable")  # fmt: skip
+
+    def _release(self, endpoint: str) -> None:
+        self.inflight[endpoint] -= 1
+        metrics.ROUTER_INFLIGHT.dec()
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, kind: str) -> web.StreamResponse:
+        response = web.StreamResponse(status=upstream.status)
+        for key, value in upstream.headers.items():
+            if key.lower() not in HOP_BY_HOP:
+                response.headers[key] = value
+        await response.prepare(request)
+        async for chunk in upstream.content.iter_any():
+            await response.write(chunk)
+        await response.write_eof()
+        metrics.ROUTER_REQUESTS.labels(kind, str(upstream.status)).inc()
+        return response
+
+
+async def run_router(settings: Settings) -> None:
+    """Watch DynamoModels and worker pods, serve the router until cancelled."""
+    from lorafleet_operator.kube import Informer, KubeClient, collection_path
+
+    kube = KubeClient.from_environment()
+    table = RoutingTable(inference_port=settings.inference_port)
+    namespaces: list[str | None] = [None] if settings.all_namespaces else list(settings.namespaces)
+    informers = []
+    for ns in namespaces:
+        informers.append(Informer(kube, collection_path("nvidia.com", "v1alpha1", "dynamomodels", ns), table.on_model))
+        informers.append(
+            Informer(kube, collection_path("", "v1", "pods", ns), table.on_pod, label_selector=BASE_MODEL_HASH_LABEL)
+        )
+    tasks = [asyncio.create_task(i.run()) for i in informers]
+    runner = web.AppRunner(Router(table, settings.router_timeout).app())
+    await runner.setup()
+    await web.TCPSite(runner, settings.bind_host, settings.router_port).start()
+    log.info("router listening on %s:%d", settings.bind_host, settings.router_port)
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await runner.cleanup()
+        await kube.close()

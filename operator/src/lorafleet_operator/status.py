@@ -1,0 +1,132 @@
+"""DynamoModel status: conditions (metav1.Condition), phase, and the status document.
+
+Condition types: ``Synced`` (source available in the store), ``EndpointsReady`` (every placed
+pod loaded it) and ``Ready`` (summary). Reasons are CamelCase constants below. A condition's
+``lastTransitionTime`` changes only when its ``status`` changes, so recomputing an unchanged
+state yields an identical document (no status patch, no event loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+# phases
+PENDING, SYNCING, LOADING, READY, DEGRADED, FAILED = "Pending", "Syncing", "Loading", "Ready", "Degraded", "Failed"
+
+# reasons
+SOURCE_AVAILABLE = "SourceAvailable"  # s3:// / file:// (or hf:// without a store): workers fetch directly
+NO_SOURCE_NEEDED = "NoSourceNeeded"  # base / adapter models
+SYNC_JOB_RUNNING = "SyncJobRunning"
+SYNC_SUCCEEDED = "SyncSucceeded"
+SYNC_FAILED = "SyncFailed"
+INVALID_SOURCE = "InvalidSource"
+RESOLVE_FAILED = "RevisionResolveFailed"
+ALL_LOADED = "AllEndpointsLoaded"
+ENDPOINTS_READY = "EndpointsReady"
+NO_WORKERS = "NoWorkers"
+LOADING_REASON = "Loading"
+PARTIALLY_LOADED = "PartiallyLoaded"
+LOAD_FAILED = "LoadFailed"
+ADAPTER_INVALID = "AdapterInvalid"
+WAITING_FOR_SYNC = "WaitingForSync"
+
+CONDITION_TYPES = ("Synced", "EndpointsReady", "Ready")
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: bool
+    reason: str
+    message: str
+
+
+@dataclass
+class Observed:
+    """What one reconcile pass found; ``render`` turns it into the status document."""
+
+    generation: int
+    phase: str
+    synced: Condition
+    endpoints_ready: Condition
+    endpoints: list[dict[str, Any]] = field(default_factory=list)
+    placement: list[str] = field(default_factory=list)
+    resolved_uri: str | None = None
+    revision: str | None = None
+    sync_job: str | None = None
+
+    @property
+    def ready_count(self) -> int:
+        return sum(1 for e in self.endpoints if e["ready"])
+
+    def summary(self) -> Condition:
+        """The Ready condition: true only in phase Ready, else the most telling failing reason."""
+        if self.phase == READY:
+            return Condition("Ready", True, "Ready", f"{self.ready_count}/{len(self.endpoints)} endpoints ready")
+        cause = self.synced if not self.synced.status else self.endpoints_ready
+        return Condition("Ready", False, cause.reason, cause.message)
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def merge_condition(
+    previous: Sequence[Mapping[str, Any]], cond: Condition, generation: int, now: str
+) -> dict[str, Any]:
+    """A metav1.Condition dict, keeping lastTransitionTime when the status did not change."""
+    status = "True" if cond.status else "False"
+    old = next((c for c in previous if c.get("type") == cond.type), None)
+    since = old["lastTransitionTime"] if old and old.get("status") == status and old.get("lastTransitionTime") else now
+    return {
+        "type": cond.type,
+        "status": status,
+        "observedGeneration": generation,
+        "lastTransitionTime": since,
+        "reason": cond.reason,
+        "message": cond.message[:32000],
+    }
+
+
+def render(observed: Observed, previous: Mapping[str, Any], now: str | None = None) -> dict[str, Any]:
+    """The full status document (Dynamo fields first, lorafleet extensions after)."""
+    now = now or now_iso()
+    old_conditions = previous.get("conditions") or []
+    conditions = [
+        merge_condition(old_conditions, c, observed.generation, now)
+        for c in (observed.synced, observed.endpoints_ready, observed.summary())
+    ]
+    return {
+        "endpoints": observed.endpoints,
+        "readyEndpoints": observed.ready_count,
+        "totalEndpoints": len(observed.endpoints),
+        "conditions": conditions,
+        "observedGeneration": observed.generation,
+        "phase": observed.phase,
+        "placement": observed.placement,
+        "resolvedUri": observed.resolved_uri,
+        "revision": observed.revision,
+        "syncJob": observed.sync_job,
+    }
+
+
+def status_patch(new: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch turning ``current`` into ``new`` ({} when nothing changed).
+
+    Keys whose new value is None are removed (JSON merge patch null)."""
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        if value is None:
+            if current.get(key) is not None:
+                patch[key] = None
+        elif current.get(key) != value:
+            patch[key] = value
+    return patch
+
+
+def condition(status: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
+    """The condition ``type_`` of a status document, if present."""
+    return next((c for c in status.get("conditions") or [] if c.get("type") == type_), None)

@@ -1,0 +1,190 @@
+"""The sync Job that copies an ``hf://`` adapter into the object store (SPEC §6, §7).
+
+Resolved URI (design choice): the operator resolves the revision to a commit SHA itself
+(``lorafleet_sync.hf.resolve``, the same code the job uses) *before* creating the Job, runs
+the Job with the pinned ``hf://org/repo@<sha>``, and records the SHA in the Job's
+``lorafleet.nvidia.com/revision`` annotation. The job's destination is then a pure function,
+``lorafleet_sync.uris.synced_uri(source, store, sha)`` = ``s3://bucket[/prefix]/org/repo/<sha>``,
+so no pod log, termination message or store listing is needed, and a branch moving while the
+Job runs cannot change what it copies. Once the Job is Complete the workers load that URI.
+
+The Job's name is ``lorafleet-sync-<first 16 hex of BLAKE3(modelName ‖ 0x00 ‖ uri)>``: the same
+model and source always map to the same Job, which is created once (a 409 means another pass or
+an earlier operator already created it; its annotation wins). The Job is owned by the
+DynamoModel (garbage-collected with it). Exit code 75 (network trouble) is retried up to
+``backoffLimit``; any other failure fails the Job at once (``podFailurePolicy``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import blake3
+from lorafleet_sync.errors import SourceError
+from lorafleet_sync.hf import HfSettings, resolve
+from lorafleet_sync.uris import S3URI, HfURI, is_commit_sha, synced_uri
+
+from lorafleet_operator import metrics
+from lorafleet_operator import status as st
+from lorafleet_operator.kube import KubeClient, KubeError
+from lorafleet_operator.reconcile import Model, SyncResult
+from lorafleet_operator.settings import Settings
+
+MANAGED_BY = "lorafleet-operator"
+REVISION_ANNOTATION = "lorafleet.nvidia.com/revision"
+SOURCE_ANNOTATION = "lorafleet.nvidia.com/source"
+MODEL_LABEL = "lorafleet.nvidia.com/model-uid"
+RETRYABLE_EXIT_CODE = 75
+
+
+def job_name(model_name: str, uri: str) -> str:
+    """Deterministic Job name for (modelName, source URI)."""
+    return "lorafleet-sync-" + blake3.blake3(model_name.encode() + b"\x00" + uri.encode()).hexdigest()[:16]
+
+
+def store_uri(settings: Settings) -> S3URI:
+    return S3URI(settings.store_bucket, settings.store_prefix.strip("/"))
+
+
+def job_manifest(model: Model, source: HfURI, sha: str, settings: Settings) -> dict[str, Any]:
+    """The batch/v1 Job for ``model``'s ``source`` pinned at ``sha``."""
+    name = job_name(model.model_name, model.uri or str(source))
+    labels = {
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        "app.kubernetes.io/component": "sync",
+        MODEL_LABEL: model.uid,
+    }
+    env: list[dict[str, Any]] = [{"name": "AWS_REGION", "value": settings.store_region}]
+    if settings.store_endpoint:
+        env.append({"name": "AWS_ENDPOINT_URL_S3", "value": settings.store_endpoint})
+        if settings.store_endpoint.startswith("http://"):
+            env.append({"name": "AWS_ALLOW_HTTP", "value": "true"})
+    if settings.store_secret:
+        env += [
+            {"name": key, "valueFrom": {"secretKeyRef": {"name": settings.store_secret, "key": key}}}
+            for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+        ]
+    if settings.hf_endpoint:
+        env.append({"name": "HF_ENDPOINT", "value": settings.hf_endpoint})
+    if settings.hf_token_secret:
+        ref = {"name": settings.hf_token_secret, "key": "HF_TOKEN", "optional": True}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "containers": [
+            {
+                "name": "sync",
+                "image": settings.sync_image,
+                "command": [
+                    "lorafleet-sync",
+                    "--source",
+                    str(source.with_revision(sha)),
+                    "--dest",
+                    str(store_uri(settings)),
+                ],
+                "env": env,
+                "securityContext": {"allowPrivilegeEscalation": False},
+            }
+        ],
+    }
+    if settings.sync_service_account:
+        pod_spec["serviceAccountName"] = settings.sync_service_account
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": name,
+            "namespace": model.namespace,
+            "labels": labels,
+            "annotations": {SOURCE_ANNOTATION: model.uri or str(source), REVISION_ANNOTATION: sha},
+            "ownerReferences": [
+                {
+                    "apiVersion": "nvidia.com/v1alpha1",
+                    "kind": "DynamoModel",
+                    "name": model.name,
+                    "uid": model.uid,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {
+            "backoffLimit": settings.sync_backoff_limit,
+            "podFailurePolicy": {
+                "rules": [
+                    {
+                        "action": "FailJob",
+                        "onExitCodes": {"containerName": "sync", "operator": "NotIn", "values": [RETRYABLE_EXIT_CODE]},
+                    }
+                ]
+            },
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }
+
+
+def job_state(job: Mapping[str, Any]) -> tuple[str, str]:
+    """("running" | "succeeded" | "failed", message) from a Job's status conditions."""
+    for cond in (job.get("status") or {}).get("conditions") or []:
+        if cond.get("status") != "True":
+            continue
+        if cond.get("type") == "Complete":
+            return "succeeded", "sync Job completed"
+        if cond.get("type") == "Failed":
+            reason = cond.get("reason") or "Failed"
+            return "failed", f"sync Job failed ({reason}): {cond.get('message') or 'see the Job pod logs'}"
+    active = (job.get("status") or {}).get("active") or 0
+    return "running", f"sync Job running ({active} active pod(s))"
+
+
+class SyncJobs:
+    """``SyncBackend`` creating and following sync Jobs through the Kubernetes API."""
+
+    def __init__(self, kube: KubeClient, settings: Settings, hf: HfSettings) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.hf = hf
+        self._seen: dict[str, str] = {}  # job name -> last state counted in metrics
+
+    async def ensure(self, model: Model, source: HfURI) -> SyncResult:
+        name = job_name(model.model_name, model.uri or str(source))
+        path = f"/apis/batch/v1/namespaces/{model.namespace}/jobs"
+        job = await self.kube.get(f"{path}/{name}")
+        if job is None:
+            try:
+                sha = source.revision if is_commit_sha(source.revision) else await self._resolve(source)
+            except SourceError as e:
+                state = "running" if e.retryable else "failed"
+                return SyncResult(state, name, message=f"resolving {source}: {e.message}", reason=st.RESOLVE_FAILED)
+            try:
+                job = await self.kube.create(path, job_manifest(model, source, sha or "", self.settings))
+                metrics.SYNC_JOBS.labels("created").inc()
+            except KubeError as e:
+                if e.status != 409:
+                    raise
+                job = await self.kube.get(f"{path}/{name}") or {}
+            await self._delete_stale(model, path, name)
+        sha = ((job.get("metadata") or {}).get("annotations") or {}).get(REVISION_ANNOTATION, "")
+        state, message = job_state(job)
+        if self._seen.get(name) != state and state != "running":
+            metrics.SYNC_JOBS.labels(state).inc()
+        self._seen[name] = state
+        if not is_commit_sha(sha):
+            return SyncResult("failed", name, message=f"Job {name} has no valid {REVISION_ANNOTATION} annotation")
+        resolved = str(synced_uri(source, store_uri(self.settings), sha)) if state == "succeeded" else None
+        return SyncResult(state, name, resolved, sha, message)
+
+    async def _delete_stale(self, model: Model, path: str, keep: str) -> None:
+        """Delete this model's Jobs for earlier sources (its source changed)."""
+        jobs = await self.kube.request("GET", path, params={"labelSelector": f"{MODEL_LABEL}={model.uid}"})
+        for job in jobs.get("items") or []:
+            name = job["metadata"]["name"]
+            if name != keep:
+                await self.kube.delete(f"{path}/{name}", {"propagationPolicy": "Background"})
+
+    async def _resolve(self, source: HfURI) -> str:
+        sha, _files = await asyncio.to_thread(resolve, self.hf, source)
+        return sha

@@ -1,0 +1,146 @@
+"""Client of the workers' management API (SPEC §3): load, unload, list.
+
+Every call has a timeout and a bounded number of in-flight calls (one semaphore
+for the whole client); connection failures and 502/503/504 are retried a few
+times with exponential backoff. Other HTTP errors surface at once as
+``WorkerError`` carrying the worker's status and message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import aiohttp
+import yarl
+
+from lorafleet_operator import metrics
+
+T = TypeVar("T")
+RETRYABLE_STATUS = frozenset({502, 503, 504})
+
+
+class WorkerError(Exception):
+    """A failed management call. ``status`` is None for connection errors and timeouts."""
+
+    def __init__(self, status: int | None, message: str) -> None:
+        super().__init__(f"{status or 'unreachable'}: {message}")
+        self.status = status
+        self.message = message
+
+    @property
+    def invalid(self) -> bool:
+        """The worker rejected the adapter itself (HTTP 400): retrying cannot help."""
+        return self.status == 400
+
+
+class WorkerClient:
+    """Async client for ``http://<podIP>:9090`` management endpoints."""
+
+    def __init__(
+        self,
+        *,
+        token: str | None = None,
+        load_timeout: float = 120.0,
+        call_timeout: float = 10.0,
+        max_concurrency: int = 16,
+        attempts: int = 3,
+        backoff: float = 0.25,
+    ) -> None:
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._load_timeout = load_timeout
+        self._call_timeout = call_timeout
+        self._semaphore = asyncio.Semaphore(max_concurrency)
+        self._attempts = attempts
+        self._backoff = backoff
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                headers=self._headers, connector=aiohttp.TCPConnector(limit=0, force_close=False)
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def load(self, address: str, name: str, uri: str) -> dict[str, Any]:
+        """POST /v1/loras; idempotent for the same name and URI, hot swap for a new URI."""
+        body = {"lora_name": name, "source": {"uri": uri}}
+        return await self._call("load", "POST", address, "/v1/loras", self._load_timeout, json=body)
+
+    async def unload(self, address: str, name: str) -> bool:
+        """DELETE /v1/loras/{name}; False when the worker did not have it (404)."""
+        try:
+            await self._call("unload", "DELETE", address, "/v1/loras/" + quote(name, safe="/"), self._call_timeout)
+        except WorkerError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
+    async def list(self, address: str) -> set[str]:
+        """GET /v1/loras: the names of the adapters the worker holds."""
+        data = await self._call("list", "GET", address, "/v1/loras", self._call_timeout)
+        loras = data.get("loras")
+        if not isinstance(loras, dict):
+            raise WorkerError(None, f"malformed GET /v1/loras answer from {address}")
+        return set(loras)
+
+    async def _call(self, op: str, method: str, address: str, path: str, timeout: float, **kw: Any) -> dict[str, Any]:
+        url = yarl.URL(address.rstrip("/") + path, encoded=True)
+
+        async def once() -> dict[str, Any]:
+            async with self._semaphore:
+                started = time.monotonic()
+                outcome = "error"
+                try:
+                    result = await self._request(method, url, timeout, **kw)
+                    outcome = "success"
+                    return result
+                except WorkerError as e:
+                    outcome = str(e.status or "unreachable")
+                    raise
+                finally:
+                    metrics.WORKER_CALLS.labels(op, outcome).inc()
+                    metrics.WORKER_CALL_SECONDS.labels(op).observe(time.monotonic() - started)
+
+        return await retry(once, attempts=self._attempts, backoff=self._backoff, retryable=_retryable)
+
+    async def _request(self, method: str, url: yarl.URL, timeout: float, **kw: Any) -> dict[str, Any]:
+        try:
+            async with self._http().request(method, url, timeout=aiohttp.ClientTimeout(total=timeout), **kw) as resp:
+                try:
+                    data = await resp.json(content_type=None)
+                except ValueError:
+                    data = {"message": (await resp.text())[:500]}
+                if not isinstance(data, dict):
+                    data = {"message": str(data)[:500]}
+                if resp.status >= 400 or data.get("status") == "error":
+                    raise WorkerError(resp.status, str(data.get("message") or resp.reason))
+                return data
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise WorkerError(None, f"{type(e).__name__}: {e}".rstrip(": ")) from e
+
+
+def _retryable(e: Exception) -> bool:
+    return isinstance(e, WorkerError) and (e.status is None or e.status in RETRYABLE_STATUS)
+
+
+async def retry(
+    fn: Callable[[], Awaitable[T]], *, attempts: int, backoff: float, retryable: Callable[[Exception], bool]
+) -> T:
+    """Call ``fn`` up to ``attempts`` times, sleeping backoff·2^i between retryable failures."""
+    for i in range(attempts):
+        try:
+            return await fn()
+        except Exception as e:
+            if i == attempts - 1 or not retryable(e):
+                raise
+            await asyncio.sleep(backoff * 2**i)
+    raise AssertionError("unreachable")

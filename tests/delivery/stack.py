@@ -1,0 +1,264 @@
+"""lorafleet installed by its Helm chart on a test cluster: install/upgrade, the chart's MinIO,
+DynamoModels, and requests through the router's Service. Used by the chart e2e tests and `make demo`.
+
+Only the chart's objects are used: MinIO credentials come from the chart's Secret, requests go
+to the router Service (resolved to a ready pod IP on the local cluster, which has no kube-proxy).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import json
+import re
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from tests.delivery.helm import CHART, values_args
+from tests.infra.session import TestCluster
+
+BASE_MODEL = "Qwen/Qwen3-0.6B"  # the base model Dynamo's example manifest names
+JSON = dict[str, Any]
+
+
+def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(dict(base))
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def default_values(cluster: TestCluster, *, workers: int = 2, hf_endpoint: str = "") -> dict[str, Any]:
+    """Values for a CPU test/demo install: dev images, a tiny generated model, the chart's MinIO."""
+    pull = "IfNotPresent" if cluster.is_local else "Never"  # kind: images are side-loaded
+    return {
+        "image": {
+            "operator": {"repository": "lorafleet/operator", "tag": "dev", "pullPolicy": pull},
+            "worker": {"repository": "lorafleet/worker", "tag": "dev", "pullPolicy": pull},
+        },
+        "listenOnPodIP": cluster.is_local,  # local pods share the host's network namespace
+        "store": {"mode": "minio"},
+        "huggingface": {"endpoint": hf_endpoint},
+        "operator": {"driftCheckSeconds": 5, "callTimeoutSeconds": 10},
+        "workerDefaults": {"resources": {}},
+        "workers": [
+            {
+                "name": "qwen",
+                "baseModelName": BASE_MODEL,
+                "replicas": workers,
+                "device": "cpu",
+                "dtype": "float32",
+                "maxLoras": 4,
+                "model": {"generateTiny": True, "tinyArch": "qwen3"},
+            }
+        ],
+    }
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
+    """Poll until `predicate()` is truthy; TimeoutError naming `what` (and the last error) otherwise."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except Exception as exc:  # the condition may fail while things start
+            last, value = exc, None
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(
+        f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last error: {last})" if last else "")
+    )
+
+
+@dataclass
+class Release:
+    """One Helm release of the chart in `namespace`."""
+
+    cluster: TestCluster
+    namespace: str
+    name: str = "lf"
+    values: dict[str, Any] = field(default_factory=dict)
+    log: Callable[[str], None] = lambda _msg: None
+
+    @property
+    def fullname(self) -> str:
+        return f"{self.name}-lorafleet"
+
+    # -- helm ----------------------------------------------------------------------------------
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.cluster.helm(*args, "--namespace", self.namespace, check=check)
+
+    def apply_values(self, values: Mapping[str, Any], *, wait: bool = True, timeout: str = "280s") -> None:
+        """`helm upgrade --install [--wait]` with exactly `values` (kept as self.values)."""
+        self.values = copy.deepcopy(dict(values))
+        waiting = ["--wait", "--timeout", timeout] if wait else []
+        self.helm("upgrade", "--install", self.name, str(CHART), *waiting, *values_args(self.values))
+
+    def deploy(self, values: Mapping[str, Any]) -> None:
+        """Install with MinIO first, then the rest. On the local cluster (no Service DNS) the
+        store endpoint is the MinIO pod's address, known once it runs."""
+        workers = values.get("workers", [])
+        self.log("helm install: operator, router, MinIO")
+        self.apply_values(deep_merge(values, {"workers": []}))
+        if self.cluster.is_local and values.get("store", {}).get("mode", "minio") == "minio":
+            host, port = self.endpoint(f"{self.fullname}-minio", 9000)
+            values = deep_merge(values, {"store": {"endpoint": f"http://{host}:{port}"}})
+        self.log(f"helm upgrade: {sum(w.get('replicas', 2) for w in workers)} worker pod(s)")
+        self.apply_values(deep_merge(values, {"workers": workers}))
+
+    def uninstall(self) -> None:
+        self.helm("uninstall", self.name, "--wait", "--timeout", "180s")
+
+    # -- cluster access ------------------------------------------------------------------------
+    def endpoint(self, service: str, port: int | str) -> tuple[str, int]:
+        return wait_for(
+            lambda: self.cluster.service_endpoint(self.namespace, service, port),
+            120,
+            f"a ready endpoint of service {service}",
+        )
+
+    def secret(self, name: str) -> dict[str, str]:
+        data = self.cluster.get(f"/api/v1/namespaces/{self.namespace}/secrets/{name}")["data"]
+        return {k: base64.b64decode(v).decode() for k, v in data.items()}
+
+    def s3(self) -> Any:
+        """A boto3 client for the chart's MinIO, with the chart Secret's credentials."""
+        import boto3
+        from botocore.config import Config
+
+        host, port = self.endpoint(f"{self.fullname}-minio", 9000)
+        creds = self.secret(f"{self.fullname}-store")
+        return boto3.client(
+            "s3",
+            endpoint_url=f"http://{host}:{port}",
+            region_name="us-east-1",
+            aws_access_key_id=creds["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=creds["AWS_SECRET_ACCESS_KEY"],
+            config=Config(s3={"addressing_style": "path"}),
+        )
+
+    def upload(self, directory: Path, uri: str) -> None:
+        """Copy an adapter directory to `s3://bucket/prefix` (creating the bucket)."""
+        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+        s3 = self.s3()
+        if bucket not in {b["Name"] for b in s3.list_buckets().get("Buckets", [])}:
+            s3.create_bucket(Bucket=bucket)
+        for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+            s3.upload_file(str(path), bucket, f"{prefix.rstrip('/')}/{path.relative_to(directory).as_posix()}")
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.cluster.kubectl("-n", self.namespace, *args, input=input, check=check)
+
+    def pods(self, component: str) -> list[JSON]:
+        selector = f"app.kubernetes.io/instance={self.name},app.kubernetes.io/component={component}"
+        items = self.cluster.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector=selector)["items"]
+        return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+    # -- DynamoModels --------------------------------------------------------------------------
+    def apply(self, manifest: Path | str) -> None:
+        text = manifest.read_text() if isinstance(manifest, Path) else manifest
+        self.kubectl("apply", "-f", "-", input=text)
+
+    def model(self, name: str) -> JSON:
+        return self.cluster.get(f"/apis/nvidia.com/v1alpha1/namespaces/{self.namespace}/dynamomodels/{name}")
+
+    def wait_ready(self, name: str, *, total: int | None = None, timeout: float = 240) -> JSON:
+        """Wait until DynamoModel `name` is Ready (with `total` endpoints, if given) for its generation."""
+
+        def ready() -> JSON | None:
+            dm = self.model(name)
+            status = dm.get("status") or {}
+            cond = {c["type"]: c for c in status.get("conditions", [])}.get("Ready", {})
+            ok = (
+                status.get("phase") == "Ready"
+                and cond.get("status") == "True"
+                and status.get("observedGeneration") == dm["metadata"]["generation"]
+                and status.get("readyEndpoints") == status.get("totalEndpoints")
+                and (total is None or status.get("totalEndpoints") == total)
+            )
+            return dm if ok else None
+
+        try:
+            return wait_for(ready, timeout, f"DynamoModel {name} Ready")
+        except TimeoutError as exc:
+            status = json.dumps(self.model(name).get("status"), indent=1)
+            raise TimeoutError(f"{exc}\nstatus: {status}\noperator log:\n{self.operator_log()[-3000:]}") from None
+
+    def wait_gone(self, name: str, timeout: float = 120) -> None:
+        path = f"/apis/nvidia.com/v1alpha1/namespaces/{self.namespace}/dynamomodels/{name}"
+        wait_for(lambda: not self.cluster.exists(path), timeout, f"DynamoModel {name} to be deleted")
+
+    def table(self) -> str:
+        return self.kubectl("get", "dm").stdout
+
+    def operator_log(self) -> str:
+        pods = self.pods("operator")
+        return "\n".join(self.cluster.logs(self.namespace, p["metadata"]["name"]) for p in pods)
+
+    # -- the OpenAI API through the router Service ----------------------------------------------
+    def router_url(self) -> str:
+        host, port = self.endpoint(f"{self.fullname}-router", "http")
+        return f"http://{host}:{port}"
+
+    def complete(self, model: str, prompt: str = "The fleet", max_tokens: int = 8) -> str:
+        """Greedy completion text through the router (raises httpx.HTTPStatusError on errors)."""
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        r = httpx.post(f"{self.router_url()}/v1/completions", json=body, timeout=60)
+        r.raise_for_status()
+        return str(r.json()["choices"][0]["text"])
+
+    def models(self) -> set[str]:
+        r = httpx.get(f"{self.router_url()}/v1/models", timeout=30)
+        r.raise_for_status()
+        return {m["id"] for m in r.json()["data"]}
+
+    def worker_loras(self, pod: JSON) -> set[str]:
+        """Adapters a worker pod holds (its management API, with the chart's admin token)."""
+        token = self.secret(f"{self.fullname}-admin-token")["token"]
+        with self.pod_port(pod, 9090) as base:
+            r = httpx.get(f"{base}/v1/loras", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        r.raise_for_status()
+        return set(r.json()["loras"])
+
+    @contextlib.contextmanager
+    def pod_port(self, pod: JSON, port: int) -> Iterator[str]:
+        """`http://host:port` reaching a pod's port: its IP locally, a port-forward elsewhere (kind)."""
+        if self.cluster.is_local:
+            yield f"http://{pod['status']['podIP']}:{port}"
+            return
+        argv = ["kubectl", f"--kubeconfig={self.cluster.kubeconfig}", "-n", self.namespace, "port-forward"]
+        proc = subprocess.Popen(
+            [*argv, f"pod/{pod['metadata']['name']}", f":{port}"], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()  # "Forwarding from 127.0.0.1:NNNN -> PORT"
+            match = re.search(r"127\.0\.0\.1:(\d+)", line)
+            if not match:
+                raise LookupError(f"kubectl port-forward pod/{pod['metadata']['name']}: {line!r}")
+            yield f"http://127.0.0.1:{match.group(1)}"
+        finally:
+            proc.terminate()
+            proc.wait()
+
+
+def manifest(name: str, model_name: str, uri: str, *, replicas: int | None = None) -> str:
+    spec: JSON = {"modelName": model_name, "baseModelName": BASE_MODEL, "modelType": "lora", "source": {"uri": uri}}
+    if replicas is not None:
+        spec["replicas"] = replicas
+    return yaml.safe_dump(
+        {"apiVersion": "nvidia.com/v1alpha1", "kind": "DynamoModel", "metadata": {"name": name}, "spec": spec}
+    )

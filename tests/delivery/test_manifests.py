@@ -1,0 +1,84 @@
+"""The kustomize base/overlays: generated from the chart and in sync with it, and buildable
+by the pinned kubectl (`kubectl kustomize`, what `kubectl apply -k` runs)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.delivery.helm import ROOT, Doc, env_of, find, one
+from tests.infra.cluster import tool_path
+
+MANIFESTS = ROOT / "manifests"
+GENERATED = ("base/lorafleet.yaml", "overlays/dev/generated.yaml")
+
+
+def kustomize(overlay: str) -> list[Doc]:
+    done = subprocess.run(
+        [str(tool_path("kubectl")), "kustomize", str(MANIFESTS / overlay)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, f"kubectl kustomize {overlay}: {done.stderr}"
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def dev() -> list[Doc]:
+    return kustomize("overlays/dev")
+
+
+@pytest.fixture(scope="module")
+def production() -> list[Doc]:
+    return kustomize("overlays/production")
+
+
+def test_generated_files_match_the_chart(tmp_path: Path) -> None:
+    """`make manifests` output equals what is committed (rerun it after changing the chart)."""
+    env = os.environ | {"HELM": str(tool_path("helm"))}
+    subprocess.run([str(MANIFESTS / "render.sh"), str(tmp_path)], check=True, env=env, timeout=120)
+    for rel in GENERATED:
+        fresh, committed = (tmp_path / rel).read_text(), (MANIFESTS / rel).read_text()
+        assert fresh == committed, f"manifests/{rel} is stale: run `make manifests`"
+
+
+def test_base_builds_and_holds_the_crd_from_crds() -> None:
+    base = kustomize("base")
+    (crd,) = find(base, "CustomResourceDefinition")
+    assert crd == yaml.safe_load((ROOT / "crds" / "dynamomodel.yaml").read_text())
+    assert {"Namespace", "Deployment", "Role", "RoleBinding", "ServiceAccount", "ConfigMap"} <= {
+        d["kind"] for d in base
+    }
+    assert not find(base, "Secret"), "the base must not carry credentials"
+
+
+def test_dev_overlay_runs_minio_and_a_tiny_worker(dev: list[Doc]) -> None:
+    assert {
+        d["metadata"].get("namespace") for d in dev if d["kind"] not in ("Namespace", "CustomResourceDefinition")
+    } == {"lorafleet"}
+    minio = one(dev, "Deployment", "lorafleet-minio")
+    secret_refs = {
+        e["valueFrom"]["secretKeyRef"]["name"]
+        for e in minio["spec"]["template"]["spec"]["containers"][0]["env"]
+        if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]
+    }
+    assert secret_refs == {"lorafleet-store"}
+    assert {s["metadata"]["name"] for s in find(dev, "Secret")} == {"lorafleet-store", "lorafleet-admin-token"}
+    store = one(dev, "ConfigMap", "lorafleet-store")["data"]
+    assert store["AWS_ENDPOINT_URL_S3"] == "http://lorafleet-minio.lorafleet.svc:9000"
+    worker = one(dev, "Deployment", "lorafleet-worker-tiny")["spec"]["template"]["spec"]
+    assert worker["initContainers"][0]["command"][:2] == ["lorafleet-worker", "make-tiny-model"]
+    operator = one(dev, "Deployment", "lorafleet-operator")["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(operator)["LORAFLEET_STORE_SECRET"] == "lorafleet-store"
+
+
+def test_production_overlay_uses_the_external_store(production: list[Doc]) -> None:
+    assert not find(production, "Secret"), "production Secrets are created by the user, never committed"
+    assert not find(production, "Deployment", "lorafleet-minio")
+    store = one(production, "ConfigMap", "lorafleet-store")["data"]
+    assert store["AWS_ENDPOINT_URL_S3"].startswith("https://") and store["AWS_ALLOW_HTTP"] == "false"
+    operator = one(production, "Deployment", "lorafleet-operator")["spec"]["template"]["spec"]["containers"][0]
+    assert operator["image"] == env_of(operator)["LORAFLEET_SYNC_IMAGE"], "sync Jobs must run the operator image"
+    assert not find(production, "ClusterRole")

@@ -1,0 +1,196 @@
+"""The user story through the Helm chart only: install, DynamoModels (Dynamo's manifest verbatim,
+an hf:// adapter synced into the chart's MinIO), answers through the router Service, scaling,
+deletion, least-privilege RBAC, upgrade and uninstall.
+
+The operator and router run as pods with the chart's ServiceAccounts (the node agent gives each
+pod a token of its ServiceAccount), so a missing permission in the chart fails these tests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
+
+from tests.delivery.stack import BASE_MODEL, Release, deep_merge, default_values, wait_for
+from tests.infra.hfhub import LocalHub
+from tests.infra.session import TestCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+DYNAMO_EXAMPLE = EXAMPLES / "dynamo-my-lora.yaml"  # s3://my-bucket/my-lora, modelName my-custom-lora
+HF_EXAMPLE = EXAMPLES / "hf-lora.yaml"  # hf://lorafleet-demo/support-lora@main, modelName support-adapter
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two real PEFT adapters for the tiny qwen3 model the chart's workers generate."""
+    root = tmp_path_factory.mktemp("chart-adapters")
+    base = make_tiny_model(root / "base", "qwen3")
+    return {
+        "dynamo": make_tiny_adapter(root / "dynamo", base, rank=8, seed=1, strength=3.0),
+        "hf": make_tiny_adapter(root / "hf", base, rank=4, seed=2, strength=3.0),
+    }
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory, adapters: dict[str, Path]) -> Iterator[LocalHub]:
+    with LocalHub(tmp_path_factory.mktemp("hub")) as hub:
+        hub.commit("lorafleet-demo/support-lora", adapters["hf"])
+        yield hub
+
+
+@pytest.fixture(scope="module")
+def release(cluster: TestCluster, hub: LocalHub, adapters: dict[str, Path]) -> Iterator[Release]:
+    rel = Release(cluster, cluster.new_namespace("chart"))
+    rel.deploy(default_values(cluster, workers=2, hf_endpoint=hub.url))
+    rel.upload(adapters["dynamo"], "s3://my-bucket/my-lora")
+    yield rel
+    rel.helm("uninstall", rel.name, check=False)
+
+
+def test_install_runs_every_component_with_its_service_account(release: Release) -> None:
+    expected = {
+        "operator": "lf-lorafleet-operator",
+        "router": "lf-lorafleet-router",
+        "worker": "lf-lorafleet-worker",
+        "minio": "default",
+    }
+    for component, account in expected.items():
+        pods = release.pods(component)
+        assert pods, f"no {component} pod"
+        for pod in pods:
+            assert pod["status"]["phase"] == "Running", (component, pod["status"])
+            assert pod["spec"].get("serviceAccountName", "default") == account
+    assert len(release.pods("worker")) == 2
+    notes = release.helm("get", "notes", release.name).stdout
+    assert "kubectl get dm" in notes and "Qwen/Qwen3-0.6B" in notes
+
+
+def test_dynamo_manifest_verbatim_and_hf_adapter_answer_through_the_router(release: Release) -> None:
+    release.apply(DYNAMO_EXAMPLE)
+    release.apply(HF_EXAMPLE)
+    dm = release.wait_ready("my-lora", total=2)  # unset replicas = the chart's default (2)
+    assert all(e["ready"] and e["address"].endswith(":9090") for e in dm["status"]["endpoints"])
+    hf = release.wait_ready("support-lora", total=1)
+    resolved = hf["status"]["resolvedUri"]
+    assert resolved.startswith("s3://lorafleet/") and "lorafleet-demo/support-lora/" in resolved, resolved
+    assert hf["status"].get("syncJob")
+    base = release.complete(BASE_MODEL)
+    dynamo, synced = release.complete("my-custom-lora"), release.complete("support-adapter")
+    assert base and dynamo and synced
+    assert dynamo != base and synced != base and dynamo != synced, (base, dynamo, synced)
+    assert {"my-custom-lora", "support-adapter", BASE_MODEL} <= release.models()
+    # An unknown model is a clean OpenAI-style 404 from the router.
+    with pytest.raises(httpx.HTTPStatusError) as err:
+        release.complete("no-such-adapter")
+    assert err.value.response.status_code == 404
+
+
+def placed(release: Release, name: str) -> set[str]:
+    return {e["podName"] for e in release.model(name)["status"]["endpoints"]}
+
+
+def test_scaling_the_workers_moves_placements(release: Release) -> None:
+    release.wait_ready("my-lora", total=2)
+    values = release.values
+
+    def scale(n: int) -> dict[str, object]:
+        return deep_merge(values, {"workers": [dict(values["workers"][0], replicas=n)]})
+
+    release.apply_values(scale(3))
+    wait_for(lambda: len(release.pods("worker")) == 3, 120, "3 worker pods")
+    release.wait_ready("my-lora", total=2)
+    release.apply_values(scale(1))
+    (survivor,) = wait_for(lambda: (p := release.pods("worker")) and len(p) == 1 and p, 180, "1 worker pod")
+    dm = release.wait_ready("my-lora", total=1)
+    assert placed(release, "my-lora") == {survivor["metadata"]["name"]}
+    assert dm["status"]["endpoints"][0]["address"] == f"http://{survivor['status']['podIP']}:9090"
+    assert {"my-custom-lora", "support-adapter"} <= release.worker_loras(survivor)
+    assert release.complete("my-custom-lora") != release.complete(BASE_MODEL)
+    release.apply_values(scale(2))
+    release.wait_ready("my-lora", total=2)
+
+
+def test_deleting_models_unloads_them(release: Release) -> None:
+    release.wait_ready("my-lora")
+    release.kubectl("delete", "dm", "my-lora", "support-lora", "--wait=false")
+    release.wait_gone("my-lora")
+    release.wait_gone("support-lora")
+    gone = {"my-custom-lora", "support-adapter"}
+    wait_for(
+        lambda: all(not (gone & release.worker_loras(p)) for p in release.pods("worker")),
+        60,
+        "the adapters to be unloaded from every worker",
+    )
+    # Sync Jobs are owned by their DynamoModel and collected with it.
+    wait_for(
+        lambda: not release.cluster.get(f"/apis/batch/v1/namespaces/{release.namespace}/jobs")["items"],
+        120,
+        "sync Jobs garbage-collected",
+    )
+
+
+def test_a_removed_permission_fails_loudly(release: Release) -> None:
+    """Drop `list` on pods from the operator's Role: the restarted operator reports the 403."""
+    role = f"{release.fullname}-operator"
+    rules = release.cluster.get(f"/apis/rbac.authorization.k8s.io/v1/namespaces/{release.namespace}/roles/{role}")[
+        "rules"
+    ]
+    crippled = [dict(r, verbs=[v for v in r["verbs"] if v != "list"]) if "pods" in r["resources"] else r for r in rules]
+    release.kubectl("patch", "role", role, "--type=merge", "-p", json.dumps({"rules": crippled}))
+    release.kubectl("delete", "pod", "-l", "app.kubernetes.io/component=operator", "--wait=false")
+
+    def forbidden_lines() -> list[str]:
+        return [
+            line
+            for line in release.operator_log().splitlines()
+            if "pods" in line and ("forbidden" in line.lower() or "403" in line)
+        ]
+
+    lines = wait_for(forbidden_lines, 120, "the operator to log the forbidden pod list")
+    assert any(release.namespace in line or "cannot list" in line for line in lines), lines
+    release.apply_values(release.values, wait=False)  # helm restores the chart's Role
+    restored = release.cluster.get(f"/apis/rbac.authorization.k8s.io/v1/namespaces/{release.namespace}/roles/{role}")
+    assert restored["rules"] == rules
+    release.kubectl("delete", "pod", "-l", "app.kubernetes.io/component=operator", "--wait=false")
+    release.apply(DYNAMO_EXAMPLE)
+    release.wait_ready("my-lora")
+    release.kubectl("delete", "dm", "my-lora")
+    release.wait_gone("my-lora")
+
+
+def chart_objects(release: Release, namespaces: list[str]) -> list[str]:
+    """Every object carrying this release's instance label in `namespaces`, and cluster-wide."""
+    selector = f"app.kubernetes.io/instance={release.name}"
+    kinds = "deployments,replicasets,pods,services,serviceaccounts,secrets,configmaps,roles,rolebindings,jobs"
+    found = []
+    for ns in namespaces:
+        out = release.cluster.kubectl("-n", ns, "get", kinds, "-l", selector, "-o", "name").stdout
+        found += [f"{ns}/{name}" for name in out.split()]
+    out = release.cluster.kubectl("get", "clusterroles,clusterrolebindings", "-l", selector, "-o", "name").stdout
+    return found + out.split()
+
+
+def test_upgrade_with_changed_values_then_uninstall_leaves_nothing(release: Release, cluster: TestCluster) -> None:
+    """Upgrade: a second watched namespace, no workers, two routers; then uninstall."""
+    extra = cluster.new_namespace("chart-extra")
+    namespaces = [release.namespace, extra]
+    values = deep_merge(release.values, {"rbac": {"watchNamespaces": namespaces}, "router": {"replicas": 2}})
+    values["workers"] = []
+    release.apply_values(values)
+    objects = chart_objects(release, namespaces)
+    for ns in namespaces:
+        assert f"{ns}/role.rbac.authorization.k8s.io/lf-lorafleet-operator" in objects, objects
+        assert f"{ns}/rolebinding.rbac.authorization.k8s.io/lf-lorafleet-router" in objects, objects
+    wait_for(lambda: not release.pods("worker"), 120, "worker pods gone after removing the group")
+    wait_for(lambda: len(release.pods("router")) == 2, 120, "two router pods")
+    assert not any("deployment.apps/lf-lorafleet-worker" in o for o in objects)
+    release.uninstall()
+    wait_for(lambda: not chart_objects(release, namespaces), 120, "no objects of the release left")
+    # The CRD stays (helm never deletes crds/), so users' DynamoModels survive an uninstall.
+    assert cluster.exists("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/dynamomodels.nvidia.com")

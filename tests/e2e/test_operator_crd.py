@@ -1,0 +1,144 @@
+"""The DynamoModel CRD on a real API server: structural schema, CEL rules, printer columns, explain."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.infra.cluster import wait_until
+from tests.infra.session import TestCluster
+
+CRD = Path(__file__).resolve().parents[2] / "crds" / "dynamomodel.yaml"
+
+# Dynamo's own example (docs: "Managing Models with DynamoModel"), verbatim but for the namespace.
+DYNAMO_MANIFEST = """
+apiVersion: nvidia.com/v1alpha1
+kind: DynamoModel
+metadata:
+  name: my-lora
+spec:
+  modelName: my-custom-lora
+  baseModelName: Qwen/Qwen3-0.6B  # Must match modelRef.name in your DGD
+  modelType: lora
+  source:
+    uri: s3://my-bucket/loras/my-lora
+"""
+
+
+def install_crd(cluster: TestCluster) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/dynamomodels.nvidia.com")
+
+
+@pytest.fixture(scope="module")
+def ns(cluster: TestCluster) -> Iterator[str]:
+    install_crd(cluster)
+    name = cluster.new_namespace("crd")
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def apply(cluster: TestCluster, ns: str, manifest: str | dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    text = manifest if isinstance(manifest, str) else yaml.safe_dump(manifest)
+    return cluster.kubectl("apply", "-n", ns, "-f", "-", input=text, check=False)
+
+
+def lora(name: str, **spec: Any) -> dict[str, Any]:
+    base = {"modelName": name, "baseModelName": "base/model", "modelType": "lora", "source": {"uri": "s3://b1/x"}}
+    return {
+        "apiVersion": "nvidia.com/v1alpha1",
+        "kind": "DynamoModel",
+        "metadata": {"name": name},
+        "spec": {**base, **spec},
+    }
+
+
+def test_dynamo_manifest_applies_unchanged_with_defaults(cluster: TestCluster, ns: str) -> None:
+    out = apply(cluster, ns, DYNAMO_MANIFEST)
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(cluster.kubectl("get", "dm", "my-lora", "-n", ns, "-o", "json").stdout)
+    assert obj["spec"]["source"]["uri"] == "s3://my-bucket/loras/my-lora"
+    base = apply(
+        cluster,
+        ns,
+        {
+            "apiVersion": "nvidia.com/v1alpha1",
+            "kind": "DynamoModel",
+            "metadata": {"name": "qwen"},
+            "spec": {"modelName": "Qwen/Qwen3-0.6B", "baseModelName": "Qwen/Qwen3-0.6B"},
+        },
+    )
+    assert base.returncode == 0, base.stderr
+    qwen = json.loads(cluster.kubectl("get", "dynamomodel", "qwen", "-n", ns, "-o", "json").stdout)
+    assert qwen["spec"]["modelType"] == "base"
+    table = cluster.kubectl("get", "dynamomodels", "-n", ns).stdout.splitlines()[0].split()
+    assert table == ["NAME", "BASEMODEL", "TYPE", "PHASE", "READY", "TOTAL", "AGE"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"source": None}, "spec.source is required when spec.modelType is lora"),
+        ({"source": {"uri": "http://example.com/x"}}, "spec.source.uri"),
+        ({"source": {"uri": "s3://bucket/a/../b"}}, "must not contain '..' path segments"),
+        ({"modelName": "a/../b"}, "modelName must not contain '..'"),
+        ({"modelName": "has space"}, "spec.modelName"),
+        ({"modelName": "x" * 129}, "spec.modelName"),
+        ({"modelType": "other"}, "spec.modelType"),
+        ({"replicas": 0}, "spec.replicas"),
+    ],
+    ids=[
+        "no-source",
+        "bad-scheme",
+        "dotdot-uri",
+        "dotdot-name",
+        "space-name",
+        "long-name",
+        "bad-type",
+        "zero-replicas",
+    ],
+)
+def test_invalid_specs_are_rejected(cluster: TestCluster, ns: str, spec: dict[str, Any], message: str) -> None:
+    manifest = lora("bad")
+    manifest["spec"] = {k: v for k, v in {**manifest["spec"], **spec}.items() if v is not None}
+    out = apply(cluster, ns, manifest)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+def test_base_model_and_type_are_immutable(cluster: TestCluster, ns: str) -> None:
+    assert apply(cluster, ns, lora("immutable")).returncode == 0
+    for patch, field in (({"baseModelName": "other/model"}, "baseModelName"), ({"modelType": "base"}, "modelType")):
+        out = cluster.kubectl(
+            "patch", "dm", "immutable", "-n", ns, "--type=merge", "-p", json.dumps({"spec": patch}), check=False
+        )
+        assert out.returncode != 0 and f"{field} is immutable" in out.stderr, out.stderr
+    ok = cluster.kubectl(
+        "patch",
+        "dm",
+        "immutable",
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"source": {"uri": "file:///models/new"}, "replicas": 3}}),
+        check=False,
+    )
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_explain_documents_every_spec_field(cluster: TestCluster) -> None:
+    def explain(path: str) -> str:
+        return cluster.kubectl("explain", path, check=False).stdout
+
+    # the CRD's schema reaches the published OpenAPI a moment after it is Established
+    out = wait_until(lambda: (text := explain("dynamomodel.spec")) and "replicas" in text and text, 60, "explain")
+    for field in ("modelName", "baseModelName", "modelType", "source", "replicas", "immutable"):
+        assert field in out
+    assert "HRW" in explain("dynamomodel.status.placement")
+    assert "hf://org/repo[@revision]" in explain("dynamomodel.spec.source.uri")

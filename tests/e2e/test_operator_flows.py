@@ -1,0 +1,588 @@
+"""The operator and router on the local control plane, with real workers as pods (issue 5's list).
+
+One stack per module, built from plain manifests (not the chart): the CRD, a worker Deployment
+(`lorafleet/worker:dev`, tiny llama), the operator and the router as pods (`lorafleet/operator:dev`)
+with their own ServiceAccounts and least-privilege Roles, a MinIO for s3:// sources and sync
+Jobs, and a local Hugging Face hub. The tests run in file order; each leaves the stack usable.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from lorafleet_operator.placement import place
+from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
+
+from tests.e2e.test_operator_crd import install_crd
+from tests.infra.cluster import wait_until
+from tests.infra.hfhub import LocalHub
+from tests.infra.minio import MinioServer
+from tests.infra.session import TestCluster
+
+BASE = "tiny-llama"
+BUCKET = "loras"
+PROMPT = [1, 5, 9, 13, 17, 21]
+READY_S = 600  # a worker pod imports torch and loads the model: slow on a busy 2-core machine
+
+OPERATOR_RULES = [
+    {"apiGroups": ["nvidia.com"], "resources": ["dynamomodels"], "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": ["nvidia.com"], "resources": ["dynamomodels/status"], "verbs": ["get", "patch"]},
+    {"apiGroups": ["nvidia.com"], "resources": ["dynamomodels/finalizers"], "verbs": ["update"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "list", "watch", "delete"]},
+    {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
+]
+ROUTER_RULES = [
+    {"apiGroups": ["nvidia.com"], "resources": ["dynamomodels"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+]
+
+
+def env_var(name: str, value: str | None = None, secret: str | None = None, field_path: str | None = None) -> dict:
+    if secret:
+        return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": name}}}
+    if field_path:
+        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
+    return {"name": name, "value": value}
+
+
+def deployment(
+    name: str,
+    image: str,
+    command: list[str],
+    *,
+    sa: str | None = None,
+    replicas: int = 1,
+    labels: dict[str, str] | None = None,
+    env: list[dict] | None = None,
+    probe: dict | None = None,
+    volumes: bool = False,
+) -> dict:
+    pod_labels = {"app": name, **(labels or {})}
+    container: dict[str, Any] = {
+        "name": name,
+        "image": image,
+        "command": command,
+        "env": [env_var("POD_IP", field_path="status.podIP"), *(env or [])],
+    }
+    if probe:
+        container["readinessProbe"] = probe
+    spec: dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": 5}
+    if sa:
+        spec["serviceAccountName"] = sa
+    if volumes:
+        container["volumeMounts"] = [{"name": "cache", "mountPath": "/var/cache/lora"}]
+        spec["volumes"] = [{"name": "cache", "emptyDir": {}}]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "strategy": {"type": "Recreate"} if name == "operator" else {"type": "RollingUpdate"},
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": pod_labels}, "spec": spec},
+        },
+    }
+
+
+def rbac(name: str, rules: list[dict]) -> list[dict]:
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": name}, "rules": rules},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name}],
+        },
+    ]
+
+
+@dataclass
+class Stack:
+    cluster: TestCluster
+    ns: str
+    minio: MinioServer
+    hub: LocalHub
+    adapters: dict[str, Path]
+    hf_sha: str
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=60))
+
+    # -- kubectl helpers ----------------------------------------------------------------------
+    def apply(self, *docs: dict) -> None:
+        self.cluster.kubectl("apply", "-n", self.ns, "-f", "-", input=yaml.safe_dump_all(docs))
+
+    def dm_doc(self, name: str, model_name: str, uri: str, **spec: Any) -> dict:
+        return {
+            "apiVersion": "nvidia.com/v1alpha1",
+            "kind": "DynamoModel",
+            "metadata": {"name": name, "labels": spec.pop("labels", {})},
+            "spec": {
+                "modelName": model_name,
+                "baseModelName": BASE,
+                "modelType": "lora",
+                "source": {"uri": uri},
+                **spec,
+            },
+        }
+
+    def dms(self, selector: str | None = None) -> dict[str, dict]:
+        params = {"labelSelector": selector} if selector else {}
+        items = self.cluster.get(f"/apis/nvidia.com/v1alpha1/namespaces/{self.ns}/dynamomodels", **params)["items"]
+        return {i["metadata"]["name"]: i for i in items}
+
+    def dm(self, name: str) -> dict:
+        return self.cluster.get(f"/apis/nvidia.com/v1alpha1/namespaces/{self.ns}/dynamomodels/{name}")
+
+    def pods(self, app: str) -> list[dict]:
+        return self.cluster.get(f"/api/v1/namespaces/{self.ns}/pods", labelSelector=f"app={app}")["items"]
+
+    def ready_workers(self) -> dict[str, str]:
+        """name -> pod IP of the Ready, not terminating worker pods."""
+        out = {}
+        for p in self.pods("workers"):
+            st = p.get("status", {})
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions", []))
+            if ready and st.get("podIP") and not p["metadata"].get("deletionTimestamp"):
+                out[p["metadata"]["name"]] = st["podIP"]
+        return out
+
+    def scale(self, replicas: int) -> dict[str, str]:
+        self.cluster.kubectl("scale", "-n", self.ns, "deployment/workers", f"--replicas={replicas}")
+        return wait_until(
+            lambda: (w := self.ready_workers()) and len(w) == replicas and len(self.pods("workers")) == replicas and w,
+            READY_S,
+            f"{replicas} Ready workers",
+        )
+
+    def loras(self, ip: str) -> set[str]:
+        return set(self.http.get(f"http://{ip}:9090/v1/loras").json()["loras"])
+
+    def loads(self) -> float:
+        """Successful adapter loads summed over the Ready workers (`lorafleet_lora_loads_total`)."""
+        total = 0.0
+        for ip in self.ready_workers().values():
+            for line in self.http.get(f"http://{ip}:9090/metrics").text.splitlines():
+                if line.startswith("lorafleet_lora_loads_total") and 'outcome="success"' in line:
+                    total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    # -- expectations ---------------------------------------------------------------------------
+    def converged(self, names: list[str] | None = None) -> bool:
+        """Every (given) LoRA model is Ready on exactly its HRW placement over the Ready workers."""
+        workers = self.ready_workers()
+        held = {name: self.loras(ip) for name, ip in workers.items()}
+        for obj in self.dms().values():
+            if (names is not None and obj["metadata"]["name"] not in names) or obj["spec"]["modelType"] != "lora":
+                continue
+            st = obj.get("status") or {}
+            if st.get("phase") == "Failed":
+                continue
+            want = place(obj["spec"]["modelName"], workers, obj["spec"].get("replicas") or 2)
+            if st.get("phase") != "Ready" or st.get("placement") != want or st.get("readyEndpoints") != len(want):
+                return False
+            if {p for p, names_ in held.items() if obj["spec"]["modelName"] in names_} != set(want):
+                return False
+        return True
+
+    def wait_converged(self, names: list[str] | None = None, timeout: float = 300) -> None:
+        wait_until(lambda: self.converged(names), timeout, f"models {names or 'all'} converged on HRW placements")
+
+    # -- router ---------------------------------------------------------------------------------
+    @property
+    def router(self) -> str:
+        ip = wait_until(
+            lambda: next((p["status"].get("podIP") for p in self.pods("router") if p["status"].get("podIP")), None),
+            120,
+            "router pod IP",
+        )
+        return f"http://{ip}:8000"
+
+    def complete(self, model: str, **kw: Any) -> httpx.Response:
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, **kw}
+        return self.http.post(f"{self.router}/v1/completions", json=body)
+
+    def text(self, model: str) -> str:
+        r = self.complete(model)
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["text"])
+
+
+@pytest.fixture(scope="module")
+def stack(
+    cluster: TestCluster, tiny_models: Any, tiny_adapter_factory: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    install_crd(cluster)
+    model_dir = tiny_models["llama"]
+    adapters = {
+        "a": tiny_adapter_factory(model_dir, rank=4, seed=101, strength=2.0),
+        "b": tiny_adapter_factory(model_dir, rank=4, seed=102, strength=2.0),
+        "hf": tiny_adapter_factory(model_dir, rank=4, seed=103, strength=2.0),
+        "bad": tiny_adapter_factory(model_dir, rank=32, seed=104),
+    }
+    root = tmp_path_factory.mktemp("op-e2e")
+    minio = MinioServer(root / "minio").start()
+    minio.make_bucket(BUCKET)
+    minio.upload_dir(BUCKET, "adapters/a", adapters["a"])
+    minio.upload_dir(BUCKET, "adapters/b", adapters["b"])
+    hub = LocalHub(root / "hub").start()
+    sha = hub.commit("org/hf-lora", adapters["hf"])
+    ns = cluster.new_namespace("op")
+    stack = Stack(cluster, ns, minio, hub, adapters, sha)
+    store_env = [
+        env_var("AWS_ENDPOINT_URL_S3", minio.url),
+        env_var("AWS_ALLOW_HTTP", "true"),
+        env_var("AWS_REGION", "us-east-1"),
+        env_var("AWS_ACCESS_KEY_ID", secret="store-creds"),
+        env_var("AWS_SECRET_ACCESS_KEY", secret="store-creds"),
+    ]
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "store-creds"},
+        "stringData": {"AWS_ACCESS_KEY_ID": minio.access_key, "AWS_SECRET_ACCESS_KEY": minio.secret_key},
+    }
+    workers = deployment(
+        "workers",
+        "lorafleet/worker:dev",
+        [
+            "lorafleet-worker",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            BASE,
+            "--host",
+            "$(POD_IP)",
+            "--port",
+            "8000",
+            "--system-port",
+            "9090",
+            "--max-lora-rank",
+            "16",
+            "--max-loras",
+            "4",
+            "--max-cpu-loras",
+            "128",
+        ],
+        replicas=3,
+        labels={BASE_MODEL_HASH_LABEL: base_model_hash(BASE)},
+        volumes=True,
+        env=[
+            env_var("LORAFLEET_FILE_ROOTS", str(adapters["a"].parent)),
+            env_var("DYN_LORA_PATH", "/var/cache/lora"),
+            *store_env,
+        ],
+        probe={"httpGet": {"path": "/ready", "port": 9090}, "periodSeconds": 1},
+    )
+    operator = deployment(
+        "operator",
+        "lorafleet/operator:dev",
+        [
+            "lorafleet-operator",
+            "--namespace",
+            ns,
+            "--bind-host",
+            "$(POD_IP)",
+            "--drift-interval",
+            "5",
+            "--store-bucket",
+            BUCKET,
+            "--store-prefix",
+            "synced",
+            "--store-endpoint",
+            minio.url,
+            "--store-secret",
+            "store-creds",
+            "--hf-endpoint",
+            hub.url,
+            "--sync-image",
+            "lorafleet/operator:dev",
+            "--retry-max",
+            "5",
+            "--call-timeout",
+            "5",
+            "--delete-timeout",
+            "10",
+        ],
+        sa="lorafleet-operator",
+        probe={"httpGet": {"path": "/healthz", "port": 8080}, "periodSeconds": 2},
+    )
+    router = deployment(
+        "router",
+        "lorafleet/operator:dev",
+        ["lorafleet-router", "--namespace", ns, "--bind-host", "$(POD_IP)", "--router-port", "8000"],
+        sa="lorafleet-router",
+        probe={"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
+    )
+    stack.apply(secret, *rbac("lorafleet-operator", OPERATOR_RULES), *rbac("lorafleet-router", ROUTER_RULES))
+    stack.apply(workers, operator, router)
+    try:
+        for app in ("operator", "router"):
+            wait_until(partial(_any_ready, stack, app), 180, f"{app} pod Ready")
+        wait_until(lambda: len(stack.ready_workers()) == 3, READY_S, "3 Ready workers")
+        yield stack
+    except BaseException:
+        for app in ("operator", "router"):
+            for p in stack.pods(app):
+                print(f"--- {p['metadata']['name']}\n{cluster.logs(ns, p['metadata']['name'])[-4000:]}")
+        raise
+    finally:
+        cluster.kubectl("delete", "dynamomodels", "--all", "-n", ns, "--wait=false", check=False)
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        hub.stop()
+        minio.close()
+
+
+def _any_ready(stack: Stack, app: str) -> bool:
+    return any(_ready(p) for p in stack.pods(app))
+
+
+def _ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
+
+
+class Traffic:
+    """Requests for Ready adapters through the router in a background thread; counts failures."""
+
+    def __init__(self, stack: Stack, models: list[str]) -> None:
+        self.stack, self.models = stack, models
+        self.ok = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        router = self.stack.router
+        with httpx.Client(timeout=60) as http:
+            while not self._stop.is_set():
+                for model in self.models:
+                    body = {"model": model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+                    try:
+                        r = http.post(f"{router}/v1/completions", json=body)
+                        if r.status_code == 200:
+                            self.ok += 1
+                        else:
+                            self.failures.append(f"{model}: {r.status_code} {r.text[:200]}")
+                    except httpx.HTTPError as e:
+                        self.failures.append(f"{model}: {e!r}")
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+
+def phase_reason(obj: dict) -> tuple[str | None, str | None]:
+    st = obj.get("status") or {}
+    ready: dict[str, Any] = next((c for c in st.get("conditions", []) if c["type"] == "Ready"), {})
+    return st.get("phase"), ready.get("reason")
+
+
+SOURCES = ("src-s3", "src-file", "src-hf")
+
+
+def test_sources_reach_ready_and_answer_through_router(stack: Stack) -> None:
+    stack.apply(
+        stack.dm_doc("base", BASE, "s3://unused/x") | {"spec": {"modelName": BASE, "baseModelName": BASE}},
+        stack.dm_doc("src-s3", "org/s3-lora", f"s3://{BUCKET}/adapters/a"),
+        stack.dm_doc("src-file", "org/file-lora", f"file://{stack.adapters['b']}"),
+        stack.dm_doc("src-hf", "org/hf-lora", "hf://org/hf-lora@main"),
+    )
+    stack.wait_converged(list(SOURCES), timeout=600)
+    hf = stack.dm("src-hf")["status"]
+    assert hf["revision"] == stack.hf_sha
+    assert hf["resolvedUri"] == f"s3://{BUCKET}/synced/org/hf-lora/{stack.hf_sha}"
+    synced = next(c for c in hf["conditions"] if c["type"] == "Synced")
+    assert synced["status"] == "True" and synced["reason"] == "SyncSucceeded"
+    jobs = stack.cluster.get(f"/apis/batch/v1/namespaces/{stack.ns}/jobs")["items"]
+    assert [j["metadata"]["name"] for j in jobs] == [hf["syncJob"]]
+    assert jobs[0]["metadata"]["ownerReferences"][0]["uid"] == stack.dm("src-hf")["metadata"]["uid"]
+    for name in SOURCES:
+        st = stack.dm(name)["status"]
+        assert st["totalEndpoints"] == st["readyEndpoints"] == 2
+        assert all(c["observedGeneration"] == 1 for c in st["conditions"])
+        assert all(e["address"].endswith(":9090") for e in st["endpoints"])
+    answers = {m: stack.text(m) for m in (BASE, "org/s3-lora", "org/file-lora", "org/hf-lora")}
+    assert len(set(answers.values())) == 4, answers
+    listed = {m["id"] for m in stack.http.get(f"{stack.router}/v1/models").json()["data"]}
+    assert {BASE, "org/s3-lora", "org/file-lora", "org/hf-lora"} <= listed
+    unknown = stack.complete("org/unknown")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    events = stack.cluster.get(f"/api/v1/namespaces/{stack.ns}/events")["items"]
+    reasons = {e["reason"] for e in events if e["involvedObject"].get("kind") == "DynamoModel"}
+    assert {"Loaded", "SyncSucceeded"} <= reasons, reasons
+
+
+def test_invalid_adapter_fails_while_others_keep_serving(stack: Stack) -> None:
+    stack.apply(stack.dm_doc("bad", "org/bad-lora", f"file://{stack.adapters['bad']}"))
+    obj = wait_until(lambda: (o := stack.dm("bad")) and phase_reason(o)[0] == "Failed" and o, 180, "bad Failed")
+    assert phase_reason(obj) == ("Failed", "AdapterInvalid")
+    message = next(c["message"] for c in obj["status"]["conditions"] if c["type"] == "Ready")
+    assert "rank" in message.lower(), message
+    assert stack.complete("org/s3-lora").status_code == 200
+    assert all("org/bad-lora" not in stack.loras(ip) for ip in stack.ready_workers().values())
+
+
+def test_source_change_hot_swaps_everywhere(stack: Stack) -> None:
+    before, other = stack.text("org/s3-lora"), stack.text("org/file-lora")
+    stack.cluster.kubectl(
+        "patch",
+        "dm",
+        "src-s3",
+        "-n",
+        stack.ns,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"source": {"uri": f"file://{stack.adapters['b']}"}}}),
+    )
+    wait_until(
+        lambda: (
+            (st := stack.dm("src-s3").get("status") or {}).get("observedGeneration") == 2 and st.get("phase") == "Ready"
+        ),
+        180,
+        "hot swap",
+    )
+    after = stack.text("org/s3-lora")
+    assert after != before and after == other  # same adapter files as src-file now
+    assert stack.dm("src-s3")["status"]["resolvedUri"] == f"file://{stack.adapters['b']}"
+
+
+def test_scale_up_to_5_moves_only_what_hrw_requires(stack: Stack) -> None:
+    old_fleet = set(stack.ready_workers())
+    old = {n: stack.dm(n)["status"]["placement"] for n in SOURCES}
+    with Traffic(stack, ["org/file-lora", "org/hf-lora"]) as traffic:
+        workers = stack.scale(5)
+        stack.wait_converged(timeout=300)
+    assert not traffic.failures, traffic.failures[:5]
+    assert traffic.ok > 0
+    new_pods = set(workers) - old_fleet
+    for name in SOURCES:
+        new = stack.dm(name)["status"]["placement"]
+        assert new == place(stack.dm(name)["spec"]["modelName"], workers, 2)
+        # HRW: a model only moves onto pods new to the fleet; the old pods it keeps stay
+        assert set(new) - set(old[name]) <= new_pods, (name, old[name], new)
+        assert len(set(old[name]) - set(new)) == len(set(new) - set(old[name]))
+
+
+def test_deleted_worker_pod_is_replaced_and_gets_back_its_share(stack: Stack) -> None:
+    placed = stack.dm("src-hf")["status"]["placement"]
+    victim = placed[0]
+    stack.cluster.kubectl("delete", "pod", victim, "-n", stack.ns, "--wait=false")
+    wait_until(
+        lambda: victim not in stack.ready_workers() and len(stack.ready_workers()) == 5,
+        READY_S,
+        "replacement worker Ready",
+    )
+    stack.wait_converged(timeout=300)
+    workers = stack.ready_workers()
+    for ip_name, ip in workers.items():
+        expected = {
+            o["spec"]["modelName"]
+            for o in stack.dms().values()
+            if o["spec"]["modelType"] == "lora" and ip_name in (o.get("status") or {}).get("placement", [])
+        }
+        assert stack.loras(ip) == expected, ip_name
+
+
+def test_200_models_over_5_workers_all_ready(stack: Stack) -> None:
+    docs = [
+        stack.dm_doc(f"bulk-{i:03d}", f"bulk/lora-{i:03d}", f"file://{stack.adapters['a']}", labels={"group": "bulk"})
+        for i in range(200)
+    ]
+    started = time.monotonic()
+    stack.apply(*docs)
+    wait_until(
+        lambda: sum(phase_reason(o)[0] == "Ready" for o in stack.dms("group=bulk").values()) == 200,
+        900,
+        "200 models Ready",
+        interval=1,
+    )
+    took = time.monotonic() - started
+    stack.wait_converged(timeout=120)
+    print(f"\n200 DynamoModels over 5 workers: all Ready in {took:.1f}s")
+    started = time.monotonic()
+    stack.cluster.kubectl("delete", "dm", "-n", stack.ns, "-l", "group=bulk", "--wait=false")
+    wait_until(lambda: not stack.dms("group=bulk"), 600, "bulk models deleted", interval=1)
+    print(f"200 DynamoModels deleted (unloaded) in {time.monotonic() - started:.1f}s")
+    for ip in stack.ready_workers().values():
+        assert not {n for n in stack.loras(ip) if n.startswith("bulk/")}
+
+
+def test_operator_restart_mid_reconcile_converges_without_duplicates(stack: Stack) -> None:
+    loads_before = stack.loads()
+    docs = [
+        stack.dm_doc(f"restart-{i:02d}", f"restart/lora-{i:02d}", f"file://{stack.adapters['a']}") for i in range(30)
+    ]
+    docs += [stack.dm_doc("restart-hf", "restart/hf-lora", "hf://org/hf-lora@main")]
+    stack.apply(*docs)
+    wait_until(
+        lambda: (
+            sum(
+                phase_reason(o)[0] == "Ready"
+                for o in stack.dms().values()
+                if o["metadata"]["name"].startswith("restart-")
+            )
+            >= 3
+        ),
+        300,
+        "a few Ready",
+    )
+    (old_pod,) = [p["metadata"]["name"] for p in stack.pods("operator")]
+    stack.cluster.kubectl("delete", "pod", old_pod, "-n", stack.ns, "--grace-period=0", "--force")
+    wait_until(
+        lambda: any(_ready(p) and p["metadata"]["name"] != old_pod for p in stack.pods("operator")),
+        180,
+        "new operator pod",
+    )
+    names = [d["metadata"]["name"] for d in docs]
+    stack.wait_converged(names, timeout=600)
+    jobs = stack.cluster.get(f"/apis/batch/v1/namespaces/{stack.ns}/jobs")["items"]
+    owners = [j["metadata"]["ownerReferences"][0]["name"] for j in jobs]
+    assert sorted(owners) == ["restart-hf", "src-hf"], owners
+    assert stack.loads() - loads_before == 2 * len(docs)  # each (model, pod) loaded exactly once
+
+
+def test_delete_model_also_when_a_placed_pod_vanished(stack: Stack) -> None:
+    stack.apply(stack.dm_doc("vanish", "org/vanish-lora", f"s3://{BUCKET}/adapters/a"))
+    stack.wait_converged(["vanish"], timeout=180)
+    placed = stack.dm("vanish")["status"]["placement"]
+    survivor_ip = stack.ready_workers()[placed[1]]
+    stack.cluster.kubectl("delete", "pod", placed[0], "-n", stack.ns, "--grace-period=0", "--force")
+    stack.cluster.kubectl("delete", "dm", "vanish", "-n", stack.ns, "--wait=false")
+    wait_until(lambda: "vanish" not in stack.dms(), 60, "DynamoModel gone")
+    assert "org/vanish-lora" not in stack.loras(survivor_ip)
+    wait_until(lambda: len(stack.ready_workers()) == 5, READY_S, "replacement worker")
+
+
+def test_scale_down_to_2_unloads_leavers_without_failed_requests(stack: Stack) -> None:
+    stack.wait_converged(timeout=300)
+    with Traffic(stack, ["org/file-lora", "org/hf-lora", "org/s3-lora"]) as traffic:
+        workers = stack.scale(2)
+        stack.wait_converged(timeout=300)
+    assert traffic.ok > 0
+    assert not traffic.failures, traffic.failures[:5]
+    for name in SOURCES:
+        assert sorted(stack.dm(name)["status"]["placement"]) == sorted(workers)
+
+
+def test_deleting_a_model_unloads_it(stack: Stack) -> None:
+    ips = list(stack.ready_workers().values())
+    stack.cluster.kubectl("delete", "dm", "src-file", "-n", stack.ns, "--timeout=60s")
+    assert all("org/file-lora" not in stack.loras(ip) for ip in ips)
+    wait_until(lambda: stack.complete("org/file-lora").status_code == 404, 30, "router forgot the model")

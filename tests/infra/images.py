@@ -1,0 +1,119 @@
+"""The one table mapping container images to local commands (used by the node agent).
+
+The node agent has no container runtime: a container runs as a local process
+whose program is found from the image repository (registry and tag ignored):
+
+| image repository ends in                      | command[0] looked up in         | entrypoint if no `command` |
+|-----------------------------------------------|---------------------------------|----------------------------|
+| `lorafleet/worker`, `lorafleet-worker`        | `.venv/bin`                     | `lorafleet-worker`         |
+| `lorafleet/operator`, `lorafleet-operator`    | `.venv/bin` (operator, router, sync CLIs) | `lorafleet-operator` |
+| `lorafleet/sync`, `lorafleet-sync`            | `.venv/bin`                     | `lorafleet-sync`           |
+| `minio/minio` (also `quay.io/minio/minio`)    | `$LORAFLEET_CACHE/bin/minio-*` (newest) | `minio`            |
+| `busybox`                                     | the host `PATH` (`sh`, `sleep`, ...) | `sh`                  |
+| `python`                                      | `.venv/bin`, then `PATH`        | `python3`                  |
+
+Only the basename of command[0] is looked up, so `/usr/local/bin/lorafleet-worker`
+works as well. Kubernetes semantics apply: `command` replaces the entrypoint,
+`args` replace the default arguments (none here). Any other image, or a
+program the table cannot find, makes the pod wait with reason `ErrImagePull`
+and a message naming the image.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class ImageError(Exception):
+    """The image (or the program it names) has no local mapping."""
+
+    reason = "ErrImagePull"
+
+
+def venv_bin() -> Path:
+    """The project venv's bin directory (`LORAFLEET_VENV` overrides `<repo>/.venv`)."""
+    return Path(os.environ.get("LORAFLEET_VENV", REPO_ROOT / ".venv")) / "bin"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LORAFLEET_CACHE", Path.home() / ".cache" / "lorafleet"))
+
+
+def _in_dirs(dirs: Callable[[], Sequence[Path]]) -> Callable[[str], Path | None]:
+    def locate(name: str) -> Path | None:
+        for d in dirs():
+            candidate = d / name
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return candidate
+        return None
+
+    return locate
+
+
+def _on_path(name: str) -> Path | None:
+    found = shutil.which(name)
+    return Path(found) if found else None
+
+
+def _venv_then_path(name: str) -> Path | None:
+    return _in_dirs(lambda: [venv_bin()])(name) or _on_path(name)
+
+
+def _minio(name: str) -> Path | None:
+    if name != "minio":
+        return None
+    builds = sorted((cache_dir() / "bin").glob("minio-*"))
+    return builds[-1] if builds else None
+
+
+@dataclass(frozen=True)
+class ImageRule:
+    """How one family of images maps to local programs."""
+
+    suffixes: tuple[str, ...]
+    locate: Callable[[str], Path | None]
+    entrypoint: tuple[str, ...]
+
+
+TABLE: tuple[ImageRule, ...] = (
+    ImageRule(("lorafleet/worker", "lorafleet-worker"), _in_dirs(lambda: [venv_bin()]), ("lorafleet-worker",)),
+    ImageRule(("lorafleet/operator", "lorafleet-operator"), _in_dirs(lambda: [venv_bin()]), ("lorafleet-operator",)),
+    ImageRule(("lorafleet/sync", "lorafleet-sync"), _in_dirs(lambda: [venv_bin()]), ("lorafleet-sync",)),
+    ImageRule(("minio/minio",), _minio, ("minio",)),
+    ImageRule(("busybox",), _on_path, ("sh",)),
+    ImageRule(("python",), _venv_then_path, ("python3",)),
+)
+
+
+def repository(image: str) -> str:
+    """`registry/repo:tag@digest` -> `registry/repo` (the part the table matches)."""
+    name = image.split("@", 1)[0]
+    last = name.rsplit("/", 1)
+    if ":" in last[-1]:
+        name = name[: len(name) - len(last[-1])] + last[-1].split(":", 1)[0]
+    return name
+
+
+def rule_for(image: str) -> ImageRule:
+    repo = repository(image)
+    for rule in TABLE:
+        if any(repo == s or repo.endswith("/" + s) for s in rule.suffixes):
+            return rule
+    raise ImageError(f"image {image!r} has no local command mapping (see tests/infra/images.py)")
+
+
+def resolve(image: str, command: Sequence[str] | None, args: Sequence[str] | None) -> list[str]:
+    """The argv that runs a container of `image` locally (command[0] made absolute)."""
+    rule = rule_for(image)
+    argv = list(command) if command else list(rule.entrypoint)
+    argv += list(args or [])
+    program = rule.locate(Path(argv[0]).name)
+    if program is None:
+        raise ImageError(f"image {image!r}: program {argv[0]!r} not found locally (see tests/infra/images.py)")
+    return [str(program), *argv[1:]]

@@ -1,0 +1,81 @@
+"""bench/bench_gpu.py works without a GPU: argument parsing, peak table, kernel rows (interpreter), markdown."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_gpu.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_arguments(bench: ModuleType) -> None:
+    args = bench.parse_args(["--dry-run", "--num-seqs", "64"])
+    assert args.out.name == "gpu.dry-run.json" and args.markdown.name == "gpu.dry-run.md"
+    assert (args.num_seqs, args.max_tokens) == (2, 2)
+    full = bench.parse_args(["--out", "/tmp/x.json", "--dtype", "float16"])
+    assert (full.out, full.markdown, full.dtype, full.num_seqs) == (
+        Path("/tmp/x.json"),
+        Path("/tmp/x.md"),
+        "float16",
+        64,
+    )
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dtype", "int8"])
+
+
+@pytest.mark.parametrize(
+    ("name", "gbps"),
+    [
+        ("NVIDIA H100 80GB HBM3", 3350.0),
+        ("NVIDIA H100 PCIe", 2000.0),
+        ("NVIDIA H200", 4800.0),
+        ("NVIDIA A100-SXM4-80GB", 2039.0),
+        ("NVIDIA A100-SXM4-40GB", 1555.0),
+    ],
+)
+def test_device_peaks(bench: ModuleType, name: str, gbps: float) -> None:
+    assert bench.device_peak(name)[0] == gbps
+
+
+def test_unknown_device_has_no_peak(bench: ModuleType) -> None:
+    assert bench.device_peak("NVIDIA GeForce GTX 1080") is None
+    assert bench.device_peak(None) is None
+
+
+def test_kernel_rows_and_markdown(bench: ModuleType, device: torch.device) -> None:
+    timer = bench.timer_for(device)
+    peak = (3350.0, 989.0)
+    rows = [bench.bench_lora(s, torch.float16, device, timer, peak) for s in bench.DRY_LORA_SHAPES]
+    rows += [bench.bench_attention(s, torch.float16, device, timer, peak) for s in bench.DRY_ATTN_SHAPES]
+    assert {r["layout"] for r in rows if r["kernel"] == "lora_shrink_expand"} == {"gathered", "segmented"}
+    for r in rows:
+        assert r["bytes"] > 0 and r["flops"] > 0 and r["triton_us"] > 0 and r["torch_us"] > 0
+        assert r["triton_GBps"] == pytest.approx(r["bytes"] / r["triton_us"] / 1e3, rel=0.02, abs=0.1)
+        assert "triton_pct_peak_bw" in r
+    e2e = [
+        {"backend": "triton", "adapters": n, "num_seqs": 4, "decode_tokens_per_s": v}
+        for n, v in ((0, 100.0), (16, 80.0))
+    ]
+    payload = {"device": "NVIDIA H100", "dtype": "float16", "dry_run": True, "peak": peak, "kernels": rows, "e2e": e2e}
+    md = bench.markdown(payload)
+    assert md.count("| qkv T=8") == 1 and "GQA=4" in md and "| triton | 16 | 4 | 80.0 | 0.80 |" in md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_refuses_to_run_without_cuda(bench: ModuleType) -> None:
+    assert bench.main(["--skip-e2e", "--out", "/nonexistent/x.json"]) == 2

@@ -1,0 +1,120 @@
+"""The DynamoModel CRD file: structure, documentation, validation rules, Dynamo compatibility.
+
+The API server's own evaluation of the schema and CEL rules is exercised in
+tests/e2e/test_operator_crd.py; here the file is checked without a cluster.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "dynamomodel.yaml"
+
+
+@pytest.fixture(scope="module")
+def crd() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(CRD_PATH.read_text())
+    return doc
+
+
+def schema(crd: dict[str, Any]) -> dict[str, Any]:
+    version = crd["spec"]["versions"][0]
+    out: dict[str, Any] = version["schema"]["openAPIV3Schema"]
+    return out
+
+
+def walk(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    out = [(path, node)]
+    for name, child in (node.get("properties") or {}).items():
+        out += walk(child, f"{path}.{name}")
+    if "items" in node:
+        out += walk(node["items"], f"{path}[]")
+    return out
+
+
+def test_names_scope_and_version(crd: dict[str, Any]) -> None:
+    spec = crd["spec"]
+    assert crd["metadata"]["name"] == "dynamomodels.nvidia.com"
+    assert spec["group"] == "nvidia.com" and spec["scope"] == "Namespaced"
+    assert spec["names"]["kind"] == "DynamoModel" and spec["names"]["plural"] == "dynamomodels"
+    assert spec["names"]["shortNames"] == ["dm"]
+    (version,) = spec["versions"]
+    assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
+    assert version["subresources"] == {"status": {}}
+
+
+def test_printer_columns(crd: dict[str, Any]) -> None:
+    columns = {c["name"]: c["jsonPath"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
+    assert list(columns) == ["BaseModel", "Type", "Phase", "Ready", "Total", "Age"]
+    assert columns["Ready"] == ".status.readyEndpoints" and columns["Total"] == ".status.totalEndpoints"
+
+
+def test_every_field_is_documented_and_structural(crd: dict[str, Any]) -> None:
+    for path, node in walk(schema(crd)):
+        if path == ".metadata":
+            continue
+        assert node.get("description"), f"{path or '<root>'} has no description"
+        assert "type" in node, f"{path} has no type (not structural)"
+        assert not node.get("x-kubernetes-preserve-unknown-fields"), path
+
+
+def test_spec_validation_rules(crd: dict[str, Any]) -> None:
+    spec = schema(crd)["properties"]["spec"]
+    props = spec["properties"]
+    assert spec["required"] == ["modelName", "baseModelName"]
+    assert set(props) == {"modelName", "baseModelName", "modelType", "source", "replicas"}
+    assert props["modelType"]["enum"] == ["base", "lora", "adapter"] and props["modelType"]["default"] == "base"
+    for field in ("baseModelName", "modelType"):
+        assert {"rule": "self == oldSelf", "message": f"{field} is immutable"} in props[field][
+            "x-kubernetes-validations"
+        ]
+    assert any("has(self.source)" in r["rule"] for r in spec["x-kubernetes-validations"])
+    assert props["replicas"]["minimum"] == 1
+    assert props["modelName"]["maxLength"] == 128 and props["modelName"]["minLength"] == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [
+        ("my-custom-lora", True),
+        ("meta-llama/Llama-3.3-70B-Instruct-lora", True),
+        ("a.b_c/d-e", True),
+        ("bad name", False),
+        ("bad:name", False),
+        ("", False),
+    ],
+)
+def test_model_name_pattern(crd: dict[str, Any], value: str, ok: bool) -> None:
+    prop = schema(crd)["properties"]["spec"]["properties"]["modelName"]
+    assert bool(re.fullmatch(prop["pattern"], value)) == ok
+
+
+@pytest.mark.parametrize(
+    ("uri", "ok"),
+    [
+        ("s3://my-bucket/loras/my-lora", True),
+        ("s3://models/support-lora", True),
+        ("hf://myorg/qwen-multilingual-lora@v1.0.0", True),
+        ("hf://org/repo", True),
+        ("file:///models/lora", True),
+        ("http://example.com/lora", False),
+        ("hf://org", False),
+        ("s3://B/upper", False),
+        ("file://relative/path", False),
+        ("s3://bucket/with space", False),
+    ],
+)
+def test_uri_pattern(crd: dict[str, Any], uri: str, ok: bool) -> None:
+    prop = schema(crd)["properties"]["spec"]["properties"]["source"]["properties"]["uri"]
+    assert bool(re.fullmatch(prop["pattern"], uri)) == ok
+
+
+def test_dynamo_status_fields_first(crd: dict[str, Any]) -> None:
+    status = list(schema(crd)["properties"]["status"]["properties"])
+    assert status[:5] == ["endpoints", "readyEndpoints", "loraFallbackCoveredEndpoints", "totalEndpoints", "conditions"]
+    assert {"observedGeneration", "phase", "placement", "resolvedUri", "revision", "syncJob"} <= set(status)

@@ -1,0 +1,100 @@
+"""KubeClient and Informer against a small real HTTP server speaking the list/watch protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+from lorafleet_operator.kube import Informer, KubeClient, KubeError
+
+
+def pod(name: str, rv: int) -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}", "resourceVersion": str(rv)}}
+
+
+class FakeApi:
+    """GET list, GET ?watch=true (one scripted stream per call), PATCH /status; records headers."""
+
+    def __init__(self) -> None:
+        self.items = [pod("a", 1), pod("b", 2)]
+        self.streams: list[list[dict[str, Any]]] = []
+        self.auth: list[str | None] = []
+        self.patches: list[tuple[str, str, Any]] = []
+        self.lists = 0
+
+    async def pods(self, request: web.Request) -> web.StreamResponse:
+        self.auth.append(request.headers.get("Authorization"))
+        if request.query.get("watch") != "true":
+            self.lists += 1
+            return web.json_response({"items": self.items, "metadata": {"resourceVersion": "10"}})
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for event in self.streams.pop(0) if self.streams else []:
+            await resp.write(json.dumps(event).encode() + b"\n")
+        return resp
+
+    async def patch(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.patches.append((request.path, request.content_type, body))
+        if request.match_info["name"] == "missing":
+            return web.json_response({"kind": "Status", "message": "not found"}, status=404)
+        return web.json_response({"metadata": {"name": request.match_info["name"]}, **body})
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[tuple[FakeApi, KubeClient]]:
+    fake = FakeApi()
+    app = web.Application()
+    app.add_routes(
+        [web.get("/api/v1/pods", fake.pods), web.patch("/apis/g/v1/namespaces/ns/x/{name}/status", fake.patch)]
+    )
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    kube = KubeClient(f"http://127.0.0.1:{runner.addresses[0][1]}", False, lambda: "Bearer t0ken")
+    yield fake, kube
+    await kube.close()
+    await runner.cleanup()
+
+
+async def test_merge_patch_and_errors(api: tuple[FakeApi, KubeClient]) -> None:
+    fake, kube = api
+    out = await kube.merge_patch("/apis/g/v1/namespaces/ns/x/m/status", {"status": {"phase": "Ready"}})
+    assert out["status"] == {"phase": "Ready"}
+    assert fake.patches[0][1] == "application/merge-patch+json"
+    with pytest.raises(KubeError) as err:
+        await kube.merge_patch("/apis/g/v1/namespaces/ns/x/missing/status", {"status": {}})
+    assert err.value.status == 404 and "not found" in err.value.message
+    assert await kube.get("/apis/g/v1/nothing") is None
+
+
+async def test_informer_lists_watches_and_relists_after_gone(api: tuple[FakeApi, KubeClient]) -> None:
+    fake, kube = api
+    fake.streams = [
+        [{"type": "ADDED", "object": pod("c", 11)}, {"type": "BOOKMARK", "object": pod("", 12)}],
+        [{"type": "ERROR", "object": {"code": 410, "message": "too old resource version"}}],
+    ]
+    seen: list[tuple[str, str]] = []
+    relisted = asyncio.Event()
+
+    def handler(kind: str, obj: dict[str, Any]) -> None:
+        seen.append((kind, obj["metadata"]["name"]))
+        if fake.lists >= 2 and kind == "DELETED":
+            relisted.set()
+
+    informer = Informer(kube, "/api/v1/pods", handler, label_selector="x")
+    task = asyncio.create_task(informer.run())
+    try:
+        await asyncio.wait_for(informer.synced.wait(), 10)
+        fake.items = [pod("a", 20)]  # b and c vanished while the watch was broken
+        await asyncio.wait_for(relisted.wait(), 20)
+    finally:
+        task.cancel()
+    assert seen[:3] == [("MODIFIED", "a"), ("MODIFIED", "b"), ("ADDED", "c")]
+    assert {("DELETED", "b"), ("DELETED", "c")} <= set(seen[3:])
+    assert ("MODIFIED", "a") in seen[3:]
+    assert set(fake.auth) == {"Bearer t0ken"}

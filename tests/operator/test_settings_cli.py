@@ -1,0 +1,99 @@
+"""Settings from env and flags, the CLIs' --help, status rendering and the work queue."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lorafleet_operator import status as st
+from lorafleet_operator.settings import Settings, add_arguments
+from lorafleet_operator.workqueue import WorkQueue
+
+
+def parse(argv: list[str], env: dict[str, str]) -> Settings:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return Settings.from_sources(env, parser.parse_args(argv))
+
+
+def test_defaults_env_then_flags(tmp_path: Path) -> None:
+    assert parse([], {}).default_replicas == 2
+    assert parse([], {"LORAFLEET_DEFAULT_REPLICAS": "3"}).default_replicas == 3
+    s = parse(["--default-replicas", "4", "-n", "a,b", "--namespace", "c"], {"LORAFLEET_DEFAULT_REPLICAS": "3"})
+    assert s.default_replicas == 4 and s.namespaces == ("a", "b", "c")
+    assert parse(["--all-namespaces"], {}).all_namespaces
+    assert parse([], {"LORAFLEET_ALL_NAMESPACES": "true"}).all_namespaces
+    token = tmp_path / "token"
+    token.write_text("from-file\n")
+    s = parse(["--admin-token-file", str(token)], {"LORAFLEET_ADMIN_TOKEN": "from-env"})
+    assert s.token() == "from-file"
+    assert parse([], {"LORAFLEET_ADMIN_TOKEN": "from-env"}).token() == "from-env"
+    assert "from-env" not in repr(parse([], {"LORAFLEET_ADMIN_TOKEN": "from-env"}))
+
+
+def test_bad_values_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="LORAFLEET_DEFAULT_REPLICAS"):
+        parse([], {"LORAFLEET_DEFAULT_REPLICAS": "two"})
+    with pytest.raises(ValueError, match="replicas"):
+        parse(["--default-replicas", "0"], {})
+
+
+@pytest.mark.parametrize("prog", ["lorafleet-operator", "lorafleet-router"])
+def test_help(prog: str) -> None:
+    out = subprocess.run([Path(sys.executable).parent / prog, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--namespace" in out.stdout and "--all-namespaces" in out.stdout
+    if prog == "lorafleet-operator":
+        for flag in ("--default-replicas", "--store-bucket", "--admin-token-file", "--liveness-port", "--peering"):
+            assert flag in out.stdout
+        assert "LORAFLEET_DEFAULT_REPLICAS" in out.stdout
+    else:
+        assert "--router-port" in out.stdout and "--store-bucket" not in out.stdout
+
+
+def test_render_keeps_transition_time_until_status_changes() -> None:
+    ok = st.Condition("EndpointsReady", True, st.ALL_LOADED, "2/2")
+    synced = st.Condition("Synced", True, st.SOURCE_AVAILABLE, "direct")
+    observed = st.Observed(
+        1, st.READY, synced, ok, [{"address": "a", "podName": "p", "ready": True}], ["p"], "s3://b/x"
+    )
+    first = st.render(observed, {}, now="2026-01-01T00:00:00Z")
+    again = st.render(observed, first, now="2026-01-01T00:05:00Z")
+    assert st.status_patch(again, first) == {}
+    bad = st.Condition("EndpointsReady", False, st.PARTIALLY_LOADED, "1/2")
+    observed.endpoints_ready, observed.phase = bad, st.DEGRADED
+    changed = st.render(observed, first, now="2026-01-01T00:09:00Z")
+    times = {c["type"]: c["lastTransitionTime"] for c in changed["conditions"]}
+    assert times == {"Synced": "2026-01-01T00:00:00Z", "EndpointsReady": "2026-01-01T00:09:00Z",
+                     "Ready": "2026-01-01T00:09:00Z"}  # fmt: skip
+    ready = st.condition(changed, "Ready")
+    assert ready is not None and ready["reason"] == "PartiallyLoaded" and ready["status"] == "False"
+    assert st.status_patch({"revision": None, "phase": "Ready"}, {"revision": "x", "phase": "Ready"}) == {
+        "revision": None
+    }
+
+
+async def test_workqueue_dedupes_and_requeues_dirty_keys() -> None:
+    q: WorkQueue[str] = WorkQueue()
+    q.add("a")
+    q.add("a")
+    q.add("b")
+    assert len(q) == 2
+    key = await q.get()
+    assert key == "a"
+    q.add("a")  # while processing: not handed out twice
+    assert await q.get() == "b"
+    assert len(q) == 0
+    q.done("a")  # dirty -> queued again
+    assert await q.get() == "a"
+    q.done("a")
+    q.done("b")
+    q.add_after("c", 0.05)
+    q.add_after("c", 10)  # the earlier timer wins
+    assert await asyncio.wait_for(q.get(), 2) == "c"
+    q.done("c")
+    assert q.idle()

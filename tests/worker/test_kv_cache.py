@@ -1,0 +1,73 @@
+"""Block allocator and paged KV cache bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lorafleet_worker.config import ModelConfig
+from lorafleet_worker.kv_cache import BlockAllocator, PagedKVCache, block_table_tensor
+
+CONFIG = ModelConfig.from_dict(
+    {
+        "model_type": "llama",
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+)
+
+
+def test_allocator_is_all_or_nothing_and_reuses_freed_blocks() -> None:
+    alloc = BlockAllocator(4)
+    a = alloc.allocate(3)
+    assert a is not None and len(set(a)) == 3 and alloc.num_free == 1
+    assert alloc.allocate(2) is None and alloc.num_free == 1  # nothing taken on failure
+    alloc.free(a)
+    b = alloc.allocate(4)
+    assert b is not None and sorted(b) == [0, 1, 2, 3] and alloc.num_free == 0
+
+
+def test_allocator_rejects_double_free() -> None:
+    alloc = BlockAllocator(2)
+    blocks = alloc.allocate(1)
+    assert blocks is not None
+    alloc.free(blocks)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        alloc.free(blocks)
+
+
+def test_cache_layout_and_grow_release() -> None:
+    kv = PagedKVCache(CONFIG, num_blocks=5, block_size=4, device=torch.device("cpu"), dtype=torch.float16)
+    assert len(kv.k_caches) == len(kv.v_caches) == 3
+    assert kv.k_caches[0].shape == (5, 4, 2, 16) and kv.k_caches[0].dtype == torch.float16
+    blocks: list[int] = []
+    assert kv.grow(blocks, 1) and len(blocks) == 1
+    assert kv.grow(blocks, 4) and len(blocks) == 1  # still fits in the first block
+    assert kv.grow(blocks, 5) and len(blocks) == 2
+    other: list[int] = []
+    assert not kv.grow(other, 13) and other == []  # needs 4 blocks, 3 free: unchanged
+    assert kv.grow(other, 12) and kv.allocator.num_free == 0
+    kv.release(blocks)
+    assert blocks == [] and kv.allocator.num_free == 2
+
+
+def test_default_num_blocks_fits_at_least_one_sequence_and_caps_memory() -> None:
+    cpu = torch.device("cpu")
+    n = PagedKVCache.default_num_blocks(
+        CONFIG, block_size=16, max_num_seqs=4, max_model_len=100, device=cpu, dtype=torch.float32
+    )
+    assert n == 4 * 7
+    huge = PagedKVCache.default_num_blocks(
+        CONFIG, block_size=16, max_num_seqs=10**6, max_model_len=1 << 16, device=cpu, dtype=torch.float32
+    )
+    assert huge * PagedKVCache.bytes_per_block(CONFIG, 16, torch.float32) <= 2 << 30
+    assert huge >= (1 << 16) // 16
+
+
+def test_block_table_tensor_pads_with_zero() -> None:
+    t = block_table_tensor([[3, 1], [2], []], torch.device("cpu"))
+    assert t.dtype == torch.int32
+    assert t.tolist() == [[3, 1], [2, 0], [0, 0]]

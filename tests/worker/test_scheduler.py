@@ -1,0 +1,159 @@
+"""Scheduling policy: chunked prefill, decode first, limits, preemption and slot aging (real KV cache and manager)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from lorafleet_worker.config import ModelConfig
+from lorafleet_worker.kv_cache import PagedKVCache
+from lorafleet_worker.lora.manager import AdapterManager
+from lorafleet_worker.sampling import SamplingParams
+from lorafleet_worker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan
+
+CPU = torch.device("cpu")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def config(tiny_models: Any) -> ModelConfig:
+    return ModelConfig.from_dir(tiny_models["llama"])
+
+
+@pytest.fixture
+def manager(config: ModelConfig, tiny_models: Any, tiny_adapter_factory: Any) -> AdapterManager:
+    """One GPU slot, adapters "a" and "b"."""
+    m = AdapterManager(config, max_loras=1, max_cpu_loras=4, max_lora_rank=64, device=CPU)
+    m.load("a", tiny_adapter_factory(tiny_models["llama"], rank=4, seed=1))
+    m.load("b", tiny_adapter_factory(tiny_models["llama"], rank=16, rslora=True, seed=2))
+    return m
+
+
+def make_scheduler(config: ModelConfig, manager: Any = None, *, num_blocks: int = 64, **kw: Any) -> Scheduler:
+    kv = PagedKVCache(config, num_blocks=num_blocks, block_size=4, device=CPU, dtype=torch.float32)
+    opts: dict[str, Any] = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_loras": 1}
+    return Scheduler(kv, manager, **{**opts, **kw})
+
+
+_arrival = iter(range(10**6))
+
+
+def seq(name: str, prompt_len: int = 4, manager: Any = None, adapter: str | None = None) -> Sequence:
+    ref = manager.acquire(adapter) if adapter else None
+    s = Sequence(name, list(range(1, prompt_len + 1)), prompt_len, SamplingParams(max_tokens=100), 1000, adapter, ref)
+    s.arrival = float(next(_arrival))
+    return s
+
+
+def advance(plan: StepPlan) -> None:
+    """What the engine does after the forward pass: mark tokens computed, append a sampled token."""
+    for c in plan.chunks:
+        c.seq.num_computed += c.num_tokens
+        if c.seq.num_computed == len(c.seq.tokens):
+            c.seq.tokens.append(0)
+
+
+def names(plan: StepPlan) -> list[str]:
+    return [c.seq.request_id for c in plan.chunks]
+
+
+def test_chunked_prefill_shares_steps_with_decodes(config: ModelConfig) -> None:
+    sched = make_scheduler(config, max_num_batched_tokens=8)
+    short, long = seq("short", 3), seq("long", 20)
+    sched.add(short)
+    advance(sched.schedule())  # short prefilled
+    sched.add(long)
+    plans = []
+    for _ in range(3):
+        plan = sched.schedule()
+        plans.append([(c.seq.request_id, c.num_tokens, c.samples) for c in plan.chunks])
+        advance(plan)
+    # the decode token comes first; the long prompt fills the rest of each 8-token budget
+    assert plans == [
+        [("short", 1, True), ("long", 7, False)],
+        [("short", 1, True), ("long", 7, False)],
+        [("short", 1, True), ("long", 6, True)],
+    ]
+    assert long.num_computed == 20 and len(long.tokens) == 21
+
+
+def test_max_num_seqs_limits_running(config: ModelConfig) -> None:
+    sched = make_scheduler(config, max_num_seqs=2)
+    seqs = [seq(f"s{i}") for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    plan = sched.schedule()
+    assert names(plan) == ["s0", "s1"] and seqs[2].status is SeqStatus.WAITING
+    advance(plan)
+    sched.finish(seqs[0], "stop")
+    assert names(sched.schedule()) == ["s1", "s2"]
+
+
+def test_out_of_blocks_preempts_the_newest_and_requeues_it_in_order(config: ModelConfig) -> None:
+    sched = make_scheduler(config, num_blocks=4)
+    old, new, later = seq("old", 8), seq("new", 8), seq("later", 4)
+    for s in (old, new):
+        sched.add(s)
+    advance(sched.schedule())  # 2 blocks each: the cache is full
+    sched.add(later)
+    plan = sched.schedule()  # old needs a third block: new is preempted
+    assert names(plan) == ["old"] and sched.num_preemptions == 1
+    assert new.status is SeqStatus.WAITING and new.num_computed == 0 and new.blocks == []
+    assert [s.request_id for s in sched.waiting] == ["new", "later"]
+    sched.finish(old, "stop")
+    assert names(sched.schedule()) == ["new", "later"]  # recomputed, FIFO order kept
+    assert new.tokens == [*range(1, 9), 0]  # the generated token is kept and recomputed
+
+
+def test_slot_waiters_age_and_are_not_starved(config: ModelConfig, manager: AdapterManager) -> None:
+    clock = Clock()
+    sched = make_scheduler(config, manager, slot_aging_s=1.0, clock=clock)
+    a1 = seq("a1", manager=manager, adapter="a")
+    sched.add(a1)
+    advance(sched.schedule())
+    b1, a2 = seq("b1", manager=manager, adapter="b"), seq("a2", manager=manager, adapter="a")
+    sched.add(b1)
+    sched.add(a2)
+    plan = sched.schedule()  # b1 has no slot yet; a2 shares a's pinned slot and may pass it
+    assert names(plan) == ["a1", "a2"] and b1.status is SeqStatus.WAITING
+    assert sched.num_waiting_for_slot == 1
+    advance(plan)
+
+    clock.now = 1.5  # b1 has aged: no new slot user passes it any more, base requests still do
+    a3, base = seq("a3", manager=manager, adapter="a"), seq("base")
+    sched.add(a3)
+    sched.add(base)
+    plan = sched.schedule()
+    assert names(plan) == ["a1", "a2", "base"] and a3.status is SeqStatus.WAITING
+    advance(plan)
+    sched.finish(a1, "stop")
+    sched.finish(a2, "stop")
+    plan = sched.schedule()  # a's slot drained: b1 gets it, a3 keeps waiting behind it
+    assert names(plan) == ["base", "b1"] and b1.slot == 0 and a3.status is SeqStatus.WAITING
+    advance(plan)
+    plan = sched.schedule()
+    assert "b1" in names(plan) and "a3" not in names(plan) and plan.slots == {0}
+    advance(plan)
+    sched.finish(b1, "stop")
+    assert "a3" in names(sched.schedule())
+    assert manager.stats["slots_pinned"] == 1
+
+
+def test_finish_releases_blocks_and_adapter_refs(config: ModelConfig, manager: AdapterManager) -> None:
+    sched = make_scheduler(config, manager)
+    s = seq("a", 9, manager, "a")
+    sched.add(s)
+    advance(sched.schedule())
+    assert sched.kv.allocator.num_free == 64 - 3 and manager.stats["slots_pinned"] == 1
+    sched.finish(s, "abort")
+    sched.finish(s, "abort")  # idempotent
+    assert sched.kv.allocator.num_free == 64 and manager.stats["slots_pinned"] == 0
+    assert s.status is SeqStatus.FINISHED and s.finish_reason == "abort" and not sched.has_work()

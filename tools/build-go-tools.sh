@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# Build the pinned Go tools (kube-apiserver, kube-controller-manager, kubectl,
+# etcd, helm) from their Go modules into $LORAFLEET_CACHE/bin/<tool>-<version>.
+#
+# Each tool gets a throwaway wrapper module generated under
+# $LORAFLEET_CACHE/go-wrappers/ (replace directives only work in the main
+# module). A tool whose versioned binary exists is not rebuilt, so a second run
+# builds nothing. Wall times of each build are appended to
+# $LORAFLEET_CACHE/go-build-times.log.
+#
+# Usage: tools/build-go-tools.sh [kubernetes|etcd|helm ...]   (default: all)
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=go-tools.versions
+source "$here/go-tools.versions"
+
+CACHE="${LORAFLEET_CACHE:-$HOME/.cache/lorafleet}"
+BIN="$CACHE/bin"
+WRAPPERS="$CACHE/go-wrappers"
+TIMES="$CACHE/go-build-times.log"
+JOBS="${GO_BUILD_JOBS:-2}"
+mkdir -p "$BIN" "$WRAPPERS"
+
+export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false
+# Module and build caches live in the lorafleet cache so CI can keep them.
+export GOMODCACHE="${GOMODCACHE_OVERRIDE:-$CACHE/go/mod}"
+export GOCACHE="${GOCACHE_OVERRIDE:-$CACHE/go/build}"
+
+log() { printf '==> [go-tools] %s\n' "$*"; }
+
+# sum.golang.org is often unreachable directly; the Go proxy relays the
+# checksum database (proxy.golang.org/sumdb/...), which `go` uses on its own.
+# Only if neither works, fall back to GOSUMDB=off (less safe; say so loudly).
+SUMDB_CHECKED=
+check_sumdb() {  # called before the first download only, so a warm run stays offline
+  if [ -n "$SUMDB_CHECKED" ] || [ -n "${GOSUMDB:-}" ]; then return; fi
+  SUMDB_CHECKED=1
+  if go mod download -json golang.org/x/text@v0.3.8 >/dev/null 2>&1; then return; fi
+  log "WARNING: checksum database unreachable (directly and via the proxy): GOSUMDB=off"
+  export GOSUMDB=off
+}
+
+# Print a progress line every 100 packages compiled (`go build -v` output).
+progress() {
+  awk -v tool="$1" '{ n++; if (n % 100 == 0) { printf "==> [go-tools] %s: %d packages compiled (%s)\n", tool, n, $0; fflush() } }
+    END { printf "==> [go-tools] %s: %d packages compiled\n", tool, n }'
+}
+
+new_wrapper() {  # new_wrapper NAME -> prints the directory of a fresh wrapper module
+  local dir="$WRAPPERS/$1"
+  rm -rf "$dir" && mkdir -p "$dir"
+  (cd "$dir" && go mod init "lorafleet.local/tools/$1" >/dev/null 2>&1 && go mod edit -go=1.26)
+  echo "$dir"
+}
+
+go_build() {  # go_build TOOL-LABEL WRAPPER-DIR OUTDIR LDFLAGS PKG...
+  local label="$1" dir="$2" out="$3" ldflags="$4"; shift 4
+  (cd "$dir" && nice -n 10 go build -p "$JOBS" -v -trimpath -tags=selinux,notest,grpcnotrace \
+      -ldflags "-s -w $ldflags" -o "$out/" "$@" 2>&1 | progress "$label"; exit "${PIPESTATUS[0]}")
+}
+
+BUILT=
+timed() {  # timed LABEL CMD... : run; if it built something, report and record the wall time
+  local label="$1"; shift
+  local start=$SECONDS
+  BUILT=
+  "$@"
+  [ -n "$BUILT" ] || return 0
+  local took=$((SECONDS - start))
+  log "$label built in ${took}s"
+  printf '%s %s %ss\n' "$(date -u +%FT%TZ)" "$label" "$took" >>"$TIMES"
+}
+
+quiet() {  # quiet LOGFILE CMD... : run CMD with output to LOGFILE, shown only on failure
+  local out="$1"; shift
+  "$@" >"$out" 2>&1 || { cat "$out" >&2; return 1; }
+}
+
+have() { [ -x "$BIN/$1" ]; }
+
+build_kubernetes() {
+  local v="$KUBERNETES_VERSION" staging="${KUBERNETES_VERSION/#v1./v0.}"
+  local tools=(kube-apiserver kube-controller-manager kubectl)
+  local missing=() t
+  for t in "${tools[@]}"; do have "$t-$v" || missing+=("$t"); done
+  if [ ${#missing[@]} -eq 0 ]; then log "kubernetes $v: up to date"; return; fi
+  log "kubernetes $v: building ${missing[*]} (cold: downloads ~1 GB of modules, tens of minutes)"
+  check_sumdb
+  local dir; dir="$(new_wrapper "kubernetes-$v")"
+  local info gomod commit
+  info="$(cd "$dir" && go mod download -json "k8s.io/kubernetes@$v")" || { echo "$info" >&2; exit 1; }
+  gomod="$(sed -n 's/^\s*"GoMod": "\(.*\)",\?$/\1/p' <<<"$info")"
+  commit="$(sed -n 's/^\s*"Hash": "\(.*\)",\?$/\1/p' <<<"$info" | head -1)"
+  # Every staging module (replaced by ./staging/src/... upstream) -> its v0.x.y release.
+  local edits=() m
+  while read -r m; do edits+=("-replace=$m=$m@$staging"); done < <(
+    awk '$2 == "=>" && $3 ~ /^\.\/staging\/src\// { print $1 }' "$gomod")
+  [ ${#edits[@]} -gt 20 ] || { log "found only ${#edits[@]} staging modules in $gomod"; exit 1; }
+  while read -r m; do edits+=("-godebug=$m"); done < <(awk '$1 == "godebug" && NF == 2 { print $2 }' "$gomod")
+  (cd "$dir" && go mod edit "${edits[@]}" -require="k8s.io/kubernetes@$v")
+  log "kubernetes $v: ${#edits[@]} go.mod edits; resolving modules"
+  log "kubernetes $v: downloading modules (log: $dir/get.log)"
+  (cd "$dir" && for t in "${missing[@]}"; do quiet get.log go get -tool "k8s.io/kubernetes/cmd/$t@$v"; done)
+  local ld="" p
+  local major="${v#v}"; major="${major%%.*}"
+  local minor="${v#v*.}"; minor="${minor%%.*}"
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld+=" -X $p.gitVersion=$v -X $p.gitMajor=$major -X $p.gitMinor=$minor"
+    ld+=" -X $p.gitTreeState=clean -X $p.gitCommit=$commit -X $p.buildDate=$(date -u +%FT%TZ)"
+  done
+  local out="$dir/out" pkgs=()
+  for t in "${missing[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$t"); done
+  go_build "kubernetes $v" "$dir" "$out" "$ld" "${pkgs[@]}"
+  for t in "${missing[@]}"; do mv "$out/$t" "$BIN/$t-$v"; done
+  BUILT=1
+}
+
+build_etcd() {
+  local v="$ETCD_VERSION"
+  if have "etcd-$v"; then log "etcd $v: up to date"; return; fi
+  log "etcd $v: building"
+  check_sumdb
+  local dir; dir="$(new_wrapper "etcd-$v")"
+  (cd "$dir" && quiet get.log go get -tool "go.etcd.io/etcd/server/v3@$v")
+  go_build "etcd $v" "$dir" "$dir/out" "" go.etcd.io/etcd/server/v3
+  mv "$dir/out/server" "$BIN/etcd-$v"
+  BUILT=1
+}
+
+build_helm() {
+  local v="$HELM_VERSION" k="${KUBERNETES_VERSION#v}"
+  if have "helm-$v"; then log "helm $v: up to date"; return; fi
+  log "helm $v: building"
+  check_sumdb
+  local dir; dir="$(new_wrapper "helm-$v")"
+  (cd "$dir" && quiet get.log go get -tool "helm.sh/helm/v3/cmd/helm@$v")
+  local ld="-X helm.sh/helm/v3/internal/version.version=$v" p
+  # Default Kubernetes version for `helm template` / `lint` (else v1.20).
+  for p in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
+    ld+=" -X $p.k8sVersionMajor=${k%%.*} -X $p.k8sVersionMinor=$(cut -d. -f2 <<<"$k")"
+  done
+  go_build "helm $v" "$dir" "$dir/out" "$ld" helm.sh/helm/v3/cmd/helm
+  mv "$dir/out/helm" "$BIN/helm-$v"
+  BUILT=1
+}
+
+main() {
+  local targets=("$@")
+  [ ${#targets[@]} -gt 0 ] || targets=(etcd helm kubernetes)
+  local t
+  for t in "${targets[@]}"; do
+    case "$t" in
+      kubernetes) timed "kubernetes-$KUBERNETES_VERSION" build_kubernetes ;;
+      etcd) timed "etcd-$ETCD_VERSION" build_etcd ;;
+      helm) timed "helm-$HELM_VERSION" build_helm ;;
+      *) log "unknown tool: $t (kubernetes, etcd, helm)"; exit 2 ;;
+    esac
+  done
+  log "all Go tools ready in $BIN"
+}
+
+main "$@"

@@ -1,0 +1,191 @@
+"""`lorafleet-worker serve | make-tiny-model | make-tiny-adapter`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger("lorafleet_worker")
+
+_FALSE = {"0", "false", "no", "off"}
+
+SERVE_EPILOG = """\
+environment:
+  DYN_SYSTEM_PORT        default for --system-port
+  DYN_LORA_PATH          default for --lora-cache-dir (downloaded adapters)
+  DYN_LORA_ENABLED       set to false to refuse adapter loads
+  LORAFLEET_ADMIN_TOKEN  admin token for the management API (or --admin-token-file)
+  LORAFLEET_FILE_ROOTS   directories file:// adapter sources may come from (os.pathsep-separated)
+  AWS_*, HF_ENDPOINT, HF_TOKEN   credentials of s3:// and hf:// sources
+"""
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _port(value: str) -> int:
+    n = int(value)
+    if not 0 < n < 65536:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {n}")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lorafleet-worker", description="Multi-LoRA inference worker (OpenAI API + Dynamo LoRA management API)."
+    )
+    parser.add_argument("--log-level", default=os.environ.get("LORAFLEET_LOG_LEVEL", "INFO"), help="default INFO")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve a base model and its LoRA adapters",
+        description="Serve a Hugging Face model directory: OpenAI-compatible inference on --port, "
+        "LoRA management (/v1/loras, /health, /ready, /metrics) on --system-port.",
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument(
+        "--model",
+        required=True,
+        type=Path,
+        help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json)",
+    )
+    serve.add_argument("--served-model-name", help="name clients send as `model` (default: the --model argument)")
+    serve.add_argument("--host", default="0.0.0.0", help="address of both servers (default 0.0.0.0)")
+    serve.add_argument("--port", type=_port, default=8000, help="inference port (default 8000)")
+    serve.add_argument(
+        "--system-port",
+        type=_port,
+        default=int(os.environ.get("DYN_SYSTEM_PORT", "9090")),
+        help="management port (default $DYN_SYSTEM_PORT or 9090)",
+    )
+    serve.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    serve.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto"]
+    )
+    serve.add_argument(
+        "--max-loras", type=_positive, default=8, help="GPU adapter slots = most adapters in one step (default 8)"
+    )
+    serve.add_argument("--max-cpu-loras", type=_positive, default=64, help="adapters kept in the CPU tier (default 64)")
+    serve.add_argument("--max-lora-rank", type=_positive, default=64, help="largest accepted adapter rank (default 64)")
+    serve.add_argument("--max-num-seqs", type=_positive, help="most requests running at once (engine default)")
+    serve.add_argument("--max-model-len", type=_positive, help="context length (default: the model's)")
+    serve.add_argument(
+        "--lora-backend", default="torch", choices=["torch", "triton"], help="LoRA kernels (default torch)"
+    )
+    serve.add_argument(
+        "--lora-cache-dir",
+        type=Path,
+        default=Path(os.environ["DYN_LORA_PATH"]) if os.environ.get("DYN_LORA_PATH") else None,
+        help="cache of downloaded adapters (default $DYN_LORA_PATH)",
+    )
+    serve.add_argument("--admin-token-file", type=Path, help="file holding the management API's bearer token")
+
+    tiny = sub.add_parser("make-tiny-model", help="write a random tiny model (dev tool)")
+    tiny.add_argument("dir", type=Path, help="output directory")
+    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
+    tiny.add_argument("--seed", type=int, default=0)
+
+    adapter = sub.add_parser("make-tiny-adapter", help="write a real PEFT LoRA adapter for a model (dev tool)")
+    adapter.add_argument("dir", type=Path, help="output directory")
+    adapter.add_argument("--base", required=True, type=Path, help="base model directory")
+    adapter.add_argument("--rank", required=True, type=_positive)
+    adapter.add_argument("--alpha", type=float, help="lora_alpha (default 2 x rank)")
+    adapter.add_argument("--rslora", action="store_true", help="rank-stabilized scaling alpha/sqrt(r)")
+    adapter.add_argument("--targets", nargs="+", help="target modules (default: all seven projections)")
+    adapter.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _admin_token(token_file: Path | None) -> str | None:
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as e:
+            raise SystemExit(f"lorafleet-worker: cannot read --admin-token-file: {e.strerror}") from e
+        if not token:
+            raise SystemExit(f"lorafleet-worker: --admin-token-file {token_file} is empty")
+        return token
+    return os.environ.get("LORAFLEET_ADMIN_TOKEN", "").strip() or None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from lorafleet_worker.server import run_worker
+    from lorafleet_worker.service import WorkerSettings
+
+    if not (args.model / "config.json").is_file():
+        raise SystemExit(f"lorafleet-worker: {args.model} is not a Hugging Face model directory (no config.json)")
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(args.dtype, args.dtype)
+    settings = WorkerSettings(
+        model_dir=args.model,
+        served_model_name=args.served_model_name or str(args.model),
+        host=args.host,
+        port=args.port,
+        system_port=args.system_port,
+        device=args.device,
+        dtype=dtype,
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        lora_backend=args.lora_backend,
+        lora_cache_dir=args.lora_cache_dir,
+        admin_token=_admin_token(args.admin_token_file),
+        lora_enabled=os.environ.get("DYN_LORA_ENABLED", "true").strip().lower() not in _FALSE,
+    )
+    log.info(
+        "admin token %s; LoRA %s; max_loras=%d max_cpu_loras=%d max_lora_rank=%d backend=%s",
+        "configured" if settings.admin_token else "not configured (management API is open)",
+        "enabled" if settings.lora_enabled else "disabled",
+        settings.max_loras,
+        settings.max_cpu_loras,
+        settings.max_lora_rank,
+        settings.lora_backend,
+    )
+    return asyncio.run(run_worker(settings))
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from lorafleet_worker.devtools import make_tiny_model
+
+    out = make_tiny_model(args.dir, args.arch, seed=args.seed)
+    print(f"wrote a tiny {args.arch} model to {out}")
+    return 0
+
+
+def _make_tiny_adapter(args: argparse.Namespace) -> int:
+    from lorafleet_worker.devtools import ALL_TARGETS, make_tiny_adapter
+
+    out = make_tiny_adapter(
+        args.dir,
+        args.base,
+        rank=args.rank,
+        alpha=args.alpha,
+        rslora=args.rslora,
+        targets=args.targets or ALL_TARGETS,
+        seed=args.seed,
+    )
+    print(f"wrote a rank-{args.rank} LoRA adapter to {out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    commands = {"serve": _serve, "make-tiny-model": _make_tiny_model, "make-tiny-adapter": _make_tiny_adapter}
+    return commands[args.command](args)

@@ -1,0 +1,415 @@
+"""Engine: the async API (`generate`, adapters) over a step loop running in its own thread.
+
+The step loop owns the scheduler, the KV cache and the model: it takes new requests and aborts
+from a locked inbox, schedules one step, runs the forward pass and sampling, and hands each
+request's tokens to its asyncio queue with `loop.call_soon_threadsafe`. Torch work never runs
+on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorafleet_worker.config import ModelConfig
+from lorafleet_worker.kv_cache import PagedKVCache
+from lorafleet_worker.lora.backend import get_backend
+from lorafleet_worker.lora.errors import AdapterNotFoundError, CapacityError
+from lorafleet_worker.lora.manager import AdapterManager
+from lorafleet_worker.model import LoRAContext, Transformer, parse_dtype
+from lorafleet_worker.sampling import SamplingParams, TokenOutput, make_generator, sample
+from lorafleet_worker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan, build_forward_batch
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.05  # wake-up period while work waits on something other than a new request
+
+
+@dataclass
+class EngineStats:
+    """Counters of the step loop (read by metrics and tests; written only by the step thread)."""
+
+    steps: int = 0
+    max_adapters_in_step: int = 0  # never above max_loras
+    max_seqs_in_step: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_for_slot: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (recomputation after preemption included)
+    generation_tokens: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    preemptions: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+
+
+def _check_device(device: torch.device, lora_backend: str) -> None:
+    """Clear errors for a device that is not there and for Triton without CUDA (unless interpreted)."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA GPU is available; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device.type!r}; choose cpu or cuda")
+    if lora_backend == "triton" and device.type != "cuda":
+        from lorafleet_worker.kernels import interpreting
+
+        if not interpreting():
+            raise ValueError("the triton LoRA backend needs --device cuda (or TRITON_INTERPRET=1 for tests)")
+
+
+class _Request:
+    """The event-loop side of one request: its output queue and completion event."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self.queue: asyncio.Queue[TokenOutput | BaseException] = asyncio.Queue()
+        self.done = asyncio.Event()
+
+
+class Engine:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_loras: int = 8,
+        max_cpu_loras: int = 64,
+        max_lora_rank: int = 64,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        lora_backend: str = "torch",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        slot_aging_s: float = 1.0,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.config = ModelConfig.from_dir(self.model_dir)
+        self.device = torch.device(device)
+        self.dtype = parse_dtype(dtype)
+        self.max_model_len = min(max_model_len or self.config.max_position_embeddings, 1 << 20)
+        if max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        _check_device(self.device, lora_backend)
+        attn_backend = "triton" if lora_backend == "triton" and self.device.type == "cuda" else "torch"
+        self.model = Transformer.from_pretrained(
+            self.model_dir, device=self.device, dtype=self.dtype, config=self.config, attn_backend=attn_backend
+        )
+        if num_kv_blocks is None:
+            num_kv_blocks = PagedKVCache.default_num_blocks(
+                self.config,
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                max_model_len=self.max_model_len,
+                device=self.device,
+                dtype=self.dtype,
+            )
+        self.kv = PagedKVCache(
+            self.config, num_blocks=num_kv_blocks, block_size=block_size, device=self.device, dtype=self.dtype
+        )
+        if self.kv.blocks_for(self.max_model_len) > num_kv_blocks:
+            raise ValueError(
+                f"num_kv_blocks={num_kv_blocks} x block_size={block_size} cannot hold one sequence of "
+                f"max_model_len={self.max_model_len}"
+            )
+        self.max_loras = max_loras
+        self.manager: Any = None
+        self.lora_backend: Any = None
+        if max_loras > 0:
+            self.manager = AdapterManager(
+                self.config,
+                max_loras=max_loras,
+                max_cpu_loras=max_cpu_loras,
+                max_lora_rank=max_lora_rank,
+                device=self.device,
+                dtype=self.dtype,
+            )
+            self.lora_backend = get_backend(lora_backend, self.device)
+        self.scheduler = Scheduler(
+            self.kv,
+            self.manager,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or max(2048, max_num_seqs),
+            max_loras=max_loras,
+            slot_aging_s=slot_aging_s,
+        )
+        self.stats = EngineStats(kv_blocks_total=num_kv_blocks, kv_blocks_free=num_kv_blocks)
+        self._eos = frozenset(self.config.eos_token_ids)
+        self._requests: dict[str, _Request] = {}  # event-loop thread only
+        self._inbox: list[Sequence] = []
+        self._aborts: set[str] = set()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def start(self) -> None:
+        """Start the step loop (idempotent)."""
+        if self.running:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="lorafleet-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the step loop; requests still in flight end with finish_reason "abort"."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+
+    # ------------------------------------------------------------------ requests
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[TokenOutput]:
+        """Submit a request and return its token stream.
+
+        Raises before yielding: ValueError (bad params / prompt), AdapterNotFoundError (unknown adapter
+        or being removed), RuntimeError (engine not started). Closing the iterator aborts the request.
+        """
+        if not self.running:
+            raise RuntimeError("engine is not running")
+        params.validate()
+        self._check_prompt(prompt_token_ids)
+        if request_id in self._requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        ref = None
+        if adapter is not None:
+            if self.manager is None:
+                raise AdapterNotFoundError(f"adapter {adapter!r} not found (LoRA is disabled: max_loras=0)")
+            ref = self.manager.acquire(adapter)
+        max_len = min(self.max_model_len, len(prompt_token_ids) + params.max_tokens)
+        seq = Sequence(
+            request_id=request_id,
+            tokens=list(prompt_token_ids),
+            num_prompt=len(prompt_token_ids),
+            params=params,
+            max_len=max_len,
+            adapter=adapter,
+            ref=ref,
+            generator=make_generator(params.seed, self.device),
+        )
+        req = _Request(seq)
+        self._requests[request_id] = req
+        with self._cond:
+            self._inbox.append(seq)
+            self._cond.notify()
+        return self._stream(req)
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; this model's maximum context length is {self.max_model_len}"
+            )
+        vocab = self.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    async def _stream(self, req: _Request) -> AsyncIterator[TokenOutput]:
+        try:
+            while True:
+                item = await req.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not req.done.is_set():
+                self.abort(req.seq.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already ended); its blocks and adapter pin are freed by the step loop."""
+        with self._cond:
+            self._aborts.add(request_id)
+            self._cond.notify()
+
+    # ------------------------------------------------------------------ adapters
+
+    def _require_manager(self) -> Any:
+        if self.manager is None:
+            raise CapacityError("LoRA is disabled on this worker (max_loras=0)")
+        return self.manager
+
+    async def add_adapter(self, name: str, path: Path, *, replace: bool = False) -> None:
+        """Validate and load an adapter into the CPU tier (in a worker thread)."""
+        manager = self._require_manager()
+        await asyncio.to_thread(manager.load, name, Path(path), replace=replace)
+
+    async def remove_adapter(self, name: str) -> bool:
+        """Refuse new requests for `name` at once; return after its in-flight requests finished.
+
+        False if no adapter of that name was registered.
+        """
+        if self.manager is None:
+            return False
+        pending = [r.done for r in self._requests.values() if r.seq.adapter == name]
+        try:
+            self.manager.remove(name)
+        except AdapterNotFoundError:
+            return False
+        for done in pending:
+            await done.wait()
+        return True
+
+    def adapters(self) -> list[str]:
+        return [] if self.manager is None else list(self.manager.names())
+
+    # ------------------------------------------------------------------ step loop (engine thread)
+
+    def _run(self) -> None:
+        sched = self.scheduler
+        while True:
+            with self._cond:
+                if not (self._stopping or self._inbox or self._aborts or sched.has_work()):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, set()
+            for seq in inbox:
+                sched.add(seq)
+            if aborts:
+                self._apply_aborts(aborts)
+            if not sched.has_work():
+                continue
+            try:
+                plan = sched.schedule()
+            except Exception as exc:  # a scheduling bug must not hang every request
+                log.exception("engine scheduling failed")
+                self._fail([*sched.running, *sched.waiting], exc)
+                continue
+            if sched.failed:
+                failed, sched.failed = sched.failed, []
+                self._deliver([(seq.request_id, exc) for seq, exc in failed])
+            if not plan.chunks:
+                self._update_queue_stats()
+                with self._cond:
+                    if not (self._stopping or self._inbox or self._aborts):
+                        self._cond.wait(IDLE_POLL_S)
+                continue
+            try:
+                self._step(plan)
+            except Exception as exc:  # a failing step ends its requests, never the engine
+                log.exception("engine step failed")
+                self._fail([c.seq for c in plan.chunks], exc)
+        self._shutdown()
+
+    def _step(self, plan: StepPlan) -> None:
+        batch, token_slots = build_forward_batch(plan, self.kv.block_size, self.device)
+        if self.manager is not None and bool((token_slots >= 0).any()):
+            info = self.lora_backend.prepare(token_slots.to(self.device, non_blocking=True))
+            batch.lora = LoRAContext(self.lora_backend, self.manager.pool, info)
+        logits = self.model(batch, self.kv)
+        sampled_chunks = [c for c in plan.chunks if c.samples]
+        picks = sample(logits, [c.seq.params for c in sampled_chunks], [c.seq.generator for c in sampled_chunks])
+
+        st = self.stats
+        st.steps += 1
+        st.max_adapters_in_step = max(st.max_adapters_in_step, len(plan.slots))
+        st.max_seqs_in_step = max(st.max_seqs_in_step, len(plan.chunks))
+        for c in plan.chunks:
+            if c.seq.num_computed < c.seq.num_prompt:
+                st.prompt_tokens += min(c.num_tokens, c.seq.num_prompt - c.seq.num_computed)
+            c.seq.num_computed += c.num_tokens
+        out: list[tuple[str, TokenOutput | BaseException]] = []
+        for c, pick in zip(sampled_chunks, picks, strict=True):
+            seq = c.seq
+            seq.tokens.append(pick.token_id)
+            st.generation_tokens += 1
+            reason = self._finish_reason(seq, pick.token_id)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                st.requests_finished += 1
+            out.append((seq.request_id, TokenOutput(pick.token_id, pick.logprob, pick.top_logprobs, reason)))
+        self._update_queue_stats()
+        self._deliver(out)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos):
+            return "stop"
+        if len(seq.tokens) >= seq.max_len:
+            return "length"
+        return None
+
+    def _apply_aborts(self, request_ids: set[str]) -> None:
+        live = {s.request_id: s for s in [*self.scheduler.running, *self.scheduler.waiting]}
+        out: list[tuple[str, TokenOutput | BaseException]] = []
+        for rid in request_ids:
+            seq = live.get(rid)
+            if seq is None:
+                continue
+            self.scheduler.finish(seq, "abort")
+            self.stats.requests_aborted += 1
+            out.append((rid, TokenOutput(-1, 0.0, None, "abort")))
+        self._update_queue_stats()
+        self._deliver(out)
+
+    def _fail(self, seqs: list[Sequence], exc: Exception) -> None:
+        """End `seqs` with an error that their iterators raise."""
+        out: list[tuple[str, TokenOutput | BaseException]] = []
+        for seq in seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.finish(seq, "abort")
+                out.append((seq.request_id, RuntimeError(f"engine step failed: {exc}")))
+        self._update_queue_stats()
+        self._deliver(out)
+
+    def _shutdown(self) -> None:
+        sched = self.scheduler
+        live = [*sched.running, *sched.waiting]
+        for seq in live:
+            sched.finish(seq, "abort")
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+        for seq in inbox:
+            if seq.ref is not None:
+                self.manager.release(seq.ref)
+        self._deliver([(s.request_id, TokenOutput(-1, 0.0, None, "abort")) for s in [*live, *inbox]])
+        self._update_queue_stats()
+
+    def _update_queue_stats(self) -> None:
+        st, sched = self.stats, self.scheduler
+        st.num_running = len(sched.running)
+        st.num_waiting = len(sched.waiting)
+        st.num_waiting_for_slot = sched.num_waiting_for_slot
+        st.preemptions = sched.num_preemptions
+        st.kv_blocks_free = self.kv.allocator.num_free
+
+    def _deliver(self, items: list[tuple[str, TokenOutput | BaseException]]) -> None:
+        if items and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._dispatch, items)
+
+    def _dispatch(self, items: list[tuple[str, TokenOutput | BaseException]]) -> None:
+        """Event-loop side: put each output in its request's queue; final items complete the request."""
+        for rid, item in items:
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            req.queue.put_nowait(item)
+            if isinstance(item, BaseException) or item.finish_reason is not None:
+                req.done.set()
+                del self._requests[rid]

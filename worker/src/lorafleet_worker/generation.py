@@ -1,0 +1,200 @@
+"""One inference request through the engine: detokenization, stop strings, logprobs, metrics, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lorafleet_worker.protocol import APIError
+from lorafleet_worker.service import WorkerService
+from lorafleet_worker.tokenizer import IncrementalDetokenizer, StopStringMatcher
+
+if TYPE_CHECKING:
+    from lorafleet_worker.sampling import SamplingParams, TokenOutput
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; the engine request has been aborted."""
+
+
+@dataclass
+class TokenInfo:
+    """A generated token with its logprobs and the offset of its text in the completion."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None
+    text_offset: int
+
+
+@dataclass
+class Delta:
+    """New completion text and the tokens generated since the previous delta."""
+
+    text: str
+    tokens: list[TokenInfo] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Generation:
+    """Runs one request: `await start()` (raises 404 if the adapter is gone), then `async for d in deltas()`.
+
+    `disconnected` resolves when the client goes away; the engine request is then aborted.
+    """
+
+    def __init__(
+        self,
+        service: WorkerService,
+        *,
+        model: str,
+        adapter: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop: list[str],
+        disconnected: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
+        self.request_id = new_request_id("req")
+        self.model = model
+        self.prompt_tokens = len(prompt_ids)
+        self.completion_tokens = 0
+        self._service = service
+        self._metrics = service.metrics
+        self._detok = IncrementalDetokenizer(service.tokenizer, prompt_ids)
+        self._stops = StopStringMatcher(stop)
+        self._silent_ids = set(params.stop_token_ids) | set(service.engine.config.eos_token_ids)
+        self._text_len = 0
+        self._t0 = time.monotonic()
+        self._last_token_at: float | None = None
+        self._submit = (prompt_ids, params, adapter)
+        self._it: AsyncIterator[TokenOutput] | None = None
+        self._first: TokenOutput | None = None
+        self._disconnected = disconnected
+        self._watcher: asyncio.Future[Any] | None = None
+        self._outcome = "error"
+
+    async def start(self) -> None:
+        """Submit to the engine and wait for the first token; a vanished adapter is a 404, bad input a 400."""
+        from lorafleet_worker.lora.errors import AdapterNotFoundError
+
+        prompt_ids, params, adapter = self._submit
+        try:
+            self._it = self._service.engine.generate(self.request_id, prompt_ids, params, adapter)
+        except AdapterNotFoundError as e:
+            raise APIError(
+                404, f"The model `{self.model}` does not exist.", param="model", code="model_not_found"
+            ) from e
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        self._metrics.requests_in_flight.inc()
+        if self._disconnected is not None:
+            self._watcher = asyncio.ensure_future(self._disconnected())
+        try:
+            self._first = await self._next()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Deltas until the finish reason; closes the engine request on exit."""
+        try:
+            out = self._first
+            while out is not None:
+                delta = self._consume(out)
+                if delta.finish_reason:
+                    self._outcome = "abort" if delta.finish_reason == "abort" else "success"
+                if delta.text or delta.tokens or delta.finish_reason:
+                    yield delta
+                if delta.finish_reason:
+                    return
+                out = await self._next()
+        except (GeneratorExit, asyncio.CancelledError):
+            self._outcome = "abort"  # the consumer went away (client disconnect)
+            raise
+        finally:
+            await self.close()
+
+    async def collect(self) -> Delta:
+        """The whole completion as one delta."""
+        result = Delta("")
+        async for d in self.deltas():
+            result.text += d.text
+            result.tokens.extend(d.tokens)
+            result.finish_reason = d.finish_reason
+        return result
+
+    async def close(self) -> None:
+        """Abort the engine request if it still runs and record the request's metrics (once)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        it, self._it = self._it, None
+        if it is None:
+            return
+        with contextlib.suppress(Exception):
+            await it.aclose()  # type: ignore[attr-defined]
+        m = self._metrics
+        m.requests_in_flight.dec()
+        m.requests.labels(model=self.model, outcome=self._outcome).inc()
+        m.prompt_tokens.labels(model=self.model).inc(self.prompt_tokens)
+        m.generation_tokens.labels(model=self.model).inc(self.completion_tokens)
+        m.request_latency.observe(time.monotonic() - self._t0)
+
+    async def _next(self) -> TokenOutput | None:
+        """The next engine output (None at the end); raises ClientDisconnected if the client left first."""
+        assert self._it is not None
+        nxt: asyncio.Future[TokenOutput] = asyncio.ensure_future(anext(self._it))
+        if self._watcher is None:
+            waiting: set[asyncio.Future[Any]] = {nxt}
+        else:
+            waiting = {nxt, self._watcher}
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            nxt.cancel()
+            raise
+        if not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(BaseException):
+                await nxt
+            self._outcome = "abort"
+            raise ClientDisconnected(self.request_id)
+        try:
+            out = nxt.result()
+        except StopAsyncIteration:
+            return None
+        self._observe_latency()
+        return out
+
+    def _observe_latency(self) -> None:
+        now = time.monotonic()
+        if self._last_token_at is None:
+            self._metrics.time_to_first_token.observe(now - self._t0)
+        else:
+            self._metrics.inter_token_latency.observe(now - self._last_token_at)
+        self._last_token_at = now
+
+    def _consume(self, out: TokenOutput) -> Delta:
+        if out.token_id < 0:  # the engine ended the request without a token (abort / shutdown)
+            text = self._stops.feed(self._detok.flush())
+            return Delta(text + self._stops.flush(), [], out.finish_reason or "abort")
+        self.completion_tokens += 1
+        silent = out.finish_reason == "stop" and out.token_id in self._silent_ids
+        token = TokenInfo(out.token_id, out.logprob, out.top_logprobs, self._text_len)
+        text = "" if silent else self._detok.add(out.token_id)
+        if out.finish_reason:
+            text += self._detok.flush()
+        self._text_len += len(text)
+        emitted = self._stops.feed(text)
+        if self._stops.stopped:
+            return Delta(emitted, [token], "stop")
+        if out.finish_reason:
+            return Delta(emitted + self._stops.flush(), [token], out.finish_reason)
+        return Delta(emitted, [token])

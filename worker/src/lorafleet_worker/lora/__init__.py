@@ -1,0 +1,18 @@
+"""LoRA layer of the worker: adapter loading, slot pool, adapter manager, batch info, backends."""
+
+from .backend import LoRABackend, LoRAProjWeights, TorchLoRABackend, get_backend
+from .batch import LoRABatchInfo, build_batch_info
+from .errors import AdapterError, AdapterNotFoundError, CapacityError, LoRAError
+
+__all__ = [
+    "AdapterError",
+    "AdapterNotFoundError",
+    "CapacityError",
+    "LoRABackend",
+    "LoRABatchInfo",
+    "LoRAError",
+    "LoRAProjWeights",
+    "TorchLoRABackend",
+    "build_batch_info",
+    "get_backend",
+]

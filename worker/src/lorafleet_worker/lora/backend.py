@@ -1,0 +1,90 @@
+"""The LoRA seam between the model and the slot pool: weights views, backend protocol, torch backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from .batch import LoRABatchInfo, build_batch_info
+
+BACKENDS = ("torch", "triton")
+
+
+@dataclass
+class LoRAProjWeights:
+    """Views into the slot pool for one (layer, projection group).
+
+    Slice s of the group's output is rows `slice_offsets[s]:slice_offsets[s+1]` of B.
+    `ranks_cpu` / `scalings_cpu` mirror `ranks` / `scalings` on the host (kept in sync by
+    the pool) so host-side loops need no device sync; None means "read the device tensors".
+    """
+
+    A: Tensor  # [num_slots, n_slices, max_rank, in_dim]
+    B: Tensor  # [num_slots, out_total, max_rank]
+    ranks: Tensor  # int32 [num_slots, n_slices] (0 = module not adapted)
+    scalings: Tensor  # float32 [num_slots, n_slices]
+    slice_offsets: tuple[int, ...]  # len n_slices + 1, offsets into out_total
+    ranks_cpu: Tensor | None = None
+    scalings_cpu: Tensor | None = None
+
+    @property
+    def n_slices(self) -> int:
+        return len(self.slice_offsets) - 1
+
+    def host_meta(self) -> tuple[list[list[int]], list[list[float]]]:
+        """(ranks, scalings) as host lists indexed [slot][slice]."""
+        ranks = self.ranks_cpu if self.ranks_cpu is not None else self.ranks.cpu()
+        scalings = self.scalings_cpu if self.scalings_cpu is not None else self.scalings.cpu()
+        return ranks.tolist(), scalings.tolist()
+
+
+class LoRABackend(Protocol):
+    def prepare(self, token_slots: Tensor) -> LoRABatchInfo: ...
+
+    def apply(self, x: Tensor, out: Tensor, w: LoRAProjWeights, batch: LoRABatchInfo) -> None:
+        """out[t, off_s:off_s+1] += scalings[slot,s] * (x[t] @ A[slot,s,:r].T) @ B[slot,off_s:off_s+1,:r].T
+        for every token t with slot >= 0 and every slice s with r = ranks[slot, s] > 0."""
+        ...
+
+
+class TorchLoRABackend:
+    """Per-adapter grouped matmuls: each adapter's tokens are gathered once and multiplied
+    by that adapter's own rank-r matrices (no per-token weight gather, no max-rank compute)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def prepare(self, token_slots: Tensor) -> LoRABatchInfo:
+        return build_batch_info(token_slots)
+
+    def apply(self, x: Tensor, out: Tensor, w: LoRAProjWeights, batch: LoRABatchInfo) -> None:
+        if not batch.has_lora:
+            return
+        ranks, scalings = w.host_meta()
+        order = batch.sorted_token_ids.long()
+        offs = w.slice_offsets
+        for slot, start, end in batch.segments:
+            slices = [s for s in range(w.n_slices) if ranks[slot][s] > 0]
+            if not slices:
+                continue
+            idx = order[start:end]
+            x_seg = x.index_select(0, idx)
+            for s in slices:
+                r = ranks[slot][s]
+                shrunk = (x_seg @ w.A[slot, s, :r].to(x.dtype).T) * scalings[slot][s]
+                delta = shrunk @ w.B[slot, offs[s] : offs[s + 1], :r].to(x.dtype).T
+                out[:, offs[s] : offs[s + 1]].index_add_(0, idx, delta.to(out.dtype))
+
+
+def get_backend(name: str, device: torch.device | str = "cpu") -> LoRABackend:
+    """The LoRA backend called `name` ("torch" or "triton"; triton is imported lazily)."""
+    if name == "torch":
+        return TorchLoRABackend(device)
+    if name == "triton":
+        from .triton_backend import TritonLoRABackend
+
+        return TritonLoRABackend()
+    raise ValueError(f"unknown LoRA backend {name!r}; choose one of {', '.join(BACKENDS)}")

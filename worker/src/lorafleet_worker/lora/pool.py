@@ -1,0 +1,76 @@
+"""LoRAPool: stacked per-slot LoRA buffers on the compute device, one set per (layer, group)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from .adapter import LoRAAdapter, group_shapes
+from .backend import LoRAProjWeights
+
+
+class LoRAPool:
+    """`num_slots` GPU slots; slot i of every (layer, group) buffer holds one adapter's weights."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        num_slots: int,
+        max_rank: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if num_slots < 1 or max_rank < 1:
+            raise ValueError("a LoRA pool needs at least one slot and max_rank >= 1")
+        self.config = config
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._weights: dict[tuple[int, str], LoRAProjWeights] = {}
+        for layer in range(config.num_hidden_layers):
+            for group, shape in group_shapes(config).items():
+                n = len(shape.slice_widths)
+                self._weights[(layer, group)] = LoRAProjWeights(
+                    A=torch.zeros(num_slots, n, max_rank, shape.in_dim, device=self.device, dtype=dtype),
+                    B=torch.zeros(num_slots, shape.slice_offsets[-1], max_rank, device=self.device, dtype=dtype),
+                    ranks=torch.zeros(num_slots, n, device=self.device, dtype=torch.int32),
+                    scalings=torch.zeros(num_slots, n, device=self.device, dtype=torch.float32),
+                    slice_offsets=shape.slice_offsets,
+                    ranks_cpu=torch.zeros(num_slots, n, dtype=torch.int32),
+                    scalings_cpu=torch.zeros(num_slots, n, dtype=torch.float32),
+                )
+
+    def weights(self, layer: int, group: str) -> LoRAProjWeights:
+        return self._weights[(layer, group)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.A.nbytes + w.B.nbytes for w in self._weights.values())
+
+    @torch.no_grad()
+    def write_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Overwrite every buffer of `slot` with `adapter` (None clears it): unused rows, ranks
+        and slices are zeroed, so nothing of a previous occupant survives."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+        if adapter is not None and adapter.max_rank > self.max_rank:
+            raise ValueError(f"adapter rank {adapter.max_rank} exceeds the pool's max rank {self.max_rank}")
+        for key, w in self._weights.items():
+            w.A[slot].zero_()
+            w.B[slot].zero_()
+            assert w.ranks_cpu is not None and w.scalings_cpu is not None
+            w.ranks_cpu[slot].zero_()
+            w.scalings_cpu[slot].zero_()
+            mods = adapter.modules.get(key) if adapter is not None else None
+            for s, m in enumerate(mods or ()):
+                if m is None:
+                    continue
+                lo, hi = w.slice_offsets[s], w.slice_offsets[s + 1]
+                w.A[slot, s, : m.rank].copy_(m.A)
+                w.B[slot, lo:hi, : m.rank].copy_(m.B)
+                w.ranks_cpu[slot, s] = m.rank
+                w.scalings_cpu[slot, s] = m.scaling
+            w.ranks[slot].copy_(w.ranks_cpu[slot])
+            w.scalings[slot].copy_(w.scalings_cpu[slot])

@@ -1,0 +1,131 @@
+"""Every Prometheus metric of the worker, defined once.
+
+Request-level metrics are recorded by the HTTP layer; engine and adapter-manager numbers
+(steps, queue lengths, slot and CPU-tier residency, ...) are read at scrape time by a collector.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+# Engine / manager numbers that the SPEC names, exported under stable names when the engine reports them.
+_ENGINE_ALIASES: dict[str, tuple[str, str]] = {
+    "max_adapters_in_step": ("lorafleet_max_adapters_in_step", "Most distinct adapters in one engine step so far"),
+    "steps": ("lorafleet_engine_steps", "Engine steps run"),
+    "num_waiting": ("lorafleet_queue_length", "Requests waiting for admission"),
+    "waiting": ("lorafleet_queue_length", "Requests waiting for admission"),
+    "queue_length": ("lorafleet_queue_length", "Requests waiting for admission"),
+    "num_running": ("lorafleet_requests_running_in_engine", "Requests admitted to the engine"),
+    "running": ("lorafleet_requests_running_in_engine", "Requests admitted to the engine"),
+}
+_MANAGER_ALIASES: dict[str, tuple[str, str]] = {
+    "slots_used": ("lorafleet_lora_gpu_slots_used", "GPU slots holding an adapter"),
+    "gpu_resident": ("lorafleet_lora_gpu_slots_used", "GPU slots holding an adapter"),
+    "cpu_resident": ("lorafleet_lora_cpu_resident", "Adapters resident in the CPU tier"),
+}
+
+
+def _numbers(source: Any) -> dict[str, float]:
+    """Numeric fields of a stats object (dataclass, mapping or plain object)."""
+    if source is None:
+        return {}
+    if dataclasses.is_dataclass(source) and not isinstance(source, type):
+        items: Mapping[str, Any] = {f.name: getattr(source, f.name) for f in dataclasses.fields(source)}
+    elif isinstance(source, Mapping):
+        items = source
+    else:
+        items = {k: v for k, v in vars(source).items() if not k.startswith("_")}
+    return {k: float(v) for k, v in items.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+def _metric_name(prefix: str, key: str) -> str:
+    return prefix + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+class EngineCollector(Collector):
+    """Reads engine and adapter-manager stats at scrape time."""
+
+    def __init__(self, engine_stats: Callable[[], Any], manager_stats: Callable[[], Any]) -> None:
+        self._engine_stats = engine_stats
+        self._manager_stats = manager_stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        seen: set[str] = set()
+        for stats, prefix, aliases in (
+            (self._engine_stats(), "lorafleet_engine_", _ENGINE_ALIASES),
+            (self._manager_stats(), "lorafleet_lora_manager_", _MANAGER_ALIASES),
+        ):
+            for key, value in _numbers(stats).items():
+                names = [(_metric_name(prefix, key), f"Engine statistic {key}")]
+                if key in aliases:
+                    names.append(aliases[key])
+                for name, doc in names:
+                    if name not in seen:
+                        seen.add(name)
+                        yield GaugeMetricFamily(name, doc, value=value)
+
+
+class WorkerMetrics:
+    """The worker's metrics in their own registry (several workers can live in one test process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "lorafleet_requests",
+            "Inference requests by model (base or adapter) and outcome",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens by model", ["model"], registry=r)
+        self.generation_tokens = Counter(
+            "lorafleet_generation_tokens", "Generated tokens by model", ["model"], registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "lorafleet_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.inter_token_latency = Histogram(
+            "lorafleet_inter_token_latency_seconds", "Time between tokens", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.request_latency = Histogram(
+            "lorafleet_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.requests_in_flight = Gauge("lorafleet_requests_in_flight", "Inference requests being served", registry=r)
+        self.lora_loads = Counter("lorafleet_lora_loads", "Adapter load calls by outcome", ["outcome"], registry=r)
+        self.lora_unloads = Counter(
+            "lorafleet_lora_unloads", "Adapter unload calls by outcome", ["outcome"], registry=r
+        )
+        self.lora_load_latency = Histogram(
+            "lorafleet_lora_load_seconds",
+            "Adapter load latency (fetch + validate + load)",
+            buckets=_LOAD_BUCKETS,
+            registry=r,
+        )
+        self.lora_unload_latency = Histogram(
+            "lorafleet_lora_unload_seconds",
+            "Adapter unload latency (includes in-flight drain)",
+            buckets=_LOAD_BUCKETS,
+            registry=r,
+        )
+        self.loras_registered = Gauge("lorafleet_lora_registered", "Adapters registered on this worker", registry=r)
+        self.max_loras = Gauge("lorafleet_max_loras", "GPU adapter slots (--max-loras)", registry=r)
+        self.max_cpu_loras = Gauge("lorafleet_max_cpu_loras", "CPU-tier capacity (--max-cpu-loras)", registry=r)
+        self.ready = Gauge("lorafleet_ready", "1 when the model is loaded and the engine runs", registry=r)
+
+    def attach_engine(self, engine_stats: Callable[[], Any], manager_stats: Callable[[], Any]) -> None:
+        self.registry.register(EngineCollector(engine_stats, manager_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

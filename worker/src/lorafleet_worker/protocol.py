@@ -1,0 +1,184 @@
+"""Request bodies and error shapes of the worker's HTTP APIs (OpenAI, Dynamo and vLLM compatible)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+LORA_NAME_RE = re.compile(r"^[A-Za-z0-9._/-]{1,128}$")
+
+
+class APIError(Exception):
+    """An error with its HTTP status; each API renders it in its own shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def check_lora_name(name: str) -> str:
+    """SPEC §2: 1–128 chars of `[A-Za-z0-9._/-]`, no `..`."""
+    if not LORA_NAME_RE.fullmatch(name) or ".." in name:
+        raise APIError(
+            400, f"invalid lora_name {name[:140]!r}: 1-128 characters of [A-Za-z0-9._/-], no '..'", param="lora_name"
+        )
+    return name
+
+
+def validation_message(error: ValidationError | Sequence[Any]) -> str:
+    """A one-line summary of pydantic / FastAPI validation errors."""
+    errors = error.errors() if isinstance(error, ValidationError) else error
+    parts = []
+    for e in errors:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        if e.get("type") == "json_invalid":
+            parts.append(f"malformed JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
+        else:
+            parts.append(f"{loc or 'body'}: {e.get('msg')}")
+    return "; ".join(parts) or "invalid request"
+
+
+_OPENAI_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    503: "service_unavailable_error",
+    507: "insufficient_storage_error",
+}
+
+
+def openai_error_body(err: APIError) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": err.message,
+            "type": _OPENAI_ERROR_TYPES.get(err.status, "server_error"),
+            "param": err.param,
+            "code": err.code,
+        }
+    }
+
+
+def management_error_body(err: APIError) -> dict[str, Any]:
+    return {"status": "error", "message": err.message}
+
+
+# --- management bodies -----------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class LoraSource(_Body):
+    uri: str = Field(min_length=1)
+
+
+class LoadLoraRequest(_Body):
+    """Dynamo: `POST /v1/loras`."""
+
+    lora_name: str
+    source: LoraSource
+
+
+class VllmLoadLoraRequest(_Body):
+    """vLLM: `POST /v1/load_lora_adapter`."""
+
+    lora_name: str
+    lora_path: str = Field(min_length=1)
+
+
+class VllmUnloadLoraRequest(_Body):
+    """vLLM: `POST /v1/unload_lora_adapter`."""
+
+    lora_name: str
+
+
+# --- OpenAI bodies ---------------------------------------------------------------------------------
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingBody(_Body):
+    """Fields shared by completions and chat completions (plus vLLM's common extensions)."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM extensions
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    # max_tokens when the request names none (None: the rest of the context)
+    default_max_tokens: ClassVar[int | None] = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, "only n=1 is supported", param="n")
+        if self.presence_penalty or self.frequency_penalty:
+            raise APIError(400, "presence_penalty and frequency_penalty are not supported", param="presence_penalty")
+        if len(self.stop_strings()) > 16:
+            raise APIError(400, "at most 16 stop strings", param="stop")
+
+
+class CompletionRequest(_SamplingBody):
+    default_max_tokens: ClassVar[int | None] = 16  # OpenAI's default for completions
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    # vLLM extension: logprob tokens as "token_id:N" instead of text
+    return_tokens_as_token_ids: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "only best_of=1 is supported", param="best_of")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")

@@ -1,0 +1,289 @@
+"""The worker's shared state behind both HTTP servers: engine, tokenizer, adapter registry, admin token."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import importlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from lorafleet_sync.errors import SourceError
+from lorafleet_sync.ids import lora_id
+
+from lorafleet_worker.metrics import WorkerMetrics
+from lorafleet_worker.protocol import APIError, check_lora_name
+from lorafleet_worker.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from lorafleet_sync.sources import AdapterSources
+
+    from lorafleet_worker.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSettings:
+    """Everything `lorafleet-worker serve` configures (see cli.py for the flags)."""
+
+    model_dir: Path
+    served_model_name: str
+    host: str = "0.0.0.0"
+    port: int = 8000
+    system_port: int = 9090
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_loras: int = 8
+    max_cpu_loras: int = 64
+    max_lora_rank: int = 64
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    lora_backend: str = "torch"
+    lora_cache_dir: Path | None = None
+    admin_token: str | None = None
+    lora_enabled: bool = True
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "device": self.device,
+            "dtype": self.dtype,
+            "max_loras": self.max_loras,
+            "max_cpu_loras": self.max_cpu_loras,
+            "max_lora_rank": self.max_lora_rank,
+            "lora_backend": self.lora_backend,
+        }
+        if self.max_num_seqs is not None:
+            kwargs["max_num_seqs"] = self.max_num_seqs
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = self.max_model_len
+        return kwargs
+
+
+class KeyedLocks:
+    """One asyncio lock per key, dropped when nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
+@dataclass
+class LoadResult:
+    lora_name: str
+    lora_id: int
+    message: str
+
+
+def _adapter_errors() -> tuple[type[Exception], type[Exception], type[Exception]]:
+    from lorafleet_worker.lora.errors import AdapterError, AdapterNotFoundError, CapacityError
+
+    return AdapterError, AdapterNotFoundError, CapacityError
+
+
+class WorkerService:
+    """Owns the engine and the adapter registry (name -> source URI) that both APIs share.
+
+    Loads, swaps and unloads of one name are serialized by a per-name lock; different names
+    proceed concurrently.
+    """
+
+    def __init__(self, settings: WorkerSettings, metrics: WorkerMetrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics or WorkerMetrics()
+        self.model_name = settings.served_model_name
+        self._engine: Engine | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._sources: AdapterSources | None = None
+        self._loaded: dict[str, str] = {}  # name -> source URI
+        self._locks = KeyedLocks()
+        self.metrics.max_loras.set(settings.max_loras)
+        self.metrics.max_cpu_loras.set(settings.max_cpu_loras)
+        self.metrics.loras_registered.set_function(lambda: len(self._loaded))
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._engine is not None
+
+    async def start(self) -> None:
+        """Load tokenizer and model (off the event loop), then start the engine's step loop."""
+        s = self.settings
+        t0 = time.monotonic()
+        log.info("loading model %s from %s (device=%s, dtype=%s)", self.model_name, s.model_dir, s.device, s.dtype)
+        # torch & co. import for seconds: keep the event loop (and /health) responsive meanwhile
+        await asyncio.to_thread(importlib.import_module, "lorafleet_worker.engine")
+        from lorafleet_sync.sources import AdapterSources
+
+        from lorafleet_worker.engine import Engine
+
+        tokenizer = await asyncio.to_thread(Tokenizer.from_dir, s.model_dir)
+        engine = await asyncio.to_thread(Engine, s.model_dir, **s.engine_kwargs())
+        await engine.start()
+        self._sources = AdapterSources.from_env(cache_dir=s.lora_cache_dir)
+        self.metrics.attach_engine(lambda: engine.stats, lambda: _manager_stats(engine))
+        self._tokenizer, self._engine = tokenizer, engine
+        self.metrics.ready.set(1)
+        log.info("model %s ready in %.1fs", self.model_name, time.monotonic() - t0)
+
+    async def stop(self) -> None:
+        engine, self._engine = self._engine, None
+        self.metrics.ready.set(0)
+        if engine is not None:
+            await engine.stop()
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise APIError(503, "the model is still loading")
+        return self._engine
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise APIError(503, "the model is still loading")
+        return self._tokenizer
+
+    # --- auth --------------------------------------------------------------------------------------
+
+    def check_admin(self, authorization: str | None) -> None:
+        """401 without a bearer token, 403 with a wrong one (only when a token is configured)."""
+        expected = self.settings.admin_token
+        if not expected:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise APIError(401, "admin token required: send 'Authorization: Bearer <token>'")
+        if not hmac.compare_digest(token.strip().encode(), expected.encode()):
+            raise APIError(403, "invalid admin token")
+
+    # --- adapters ----------------------------------------------------------------------------------
+
+    def loras(self) -> dict[str, int]:
+        return {name: lora_id(name) for name in sorted(self._loaded)}
+
+    def adapter_uris(self) -> dict[str, str]:
+        """Loaded adapters and the URIs they came from."""
+        return dict(sorted(self._loaded.items()))
+
+    @property
+    def max_model_len(self) -> int:
+        engine = self.engine
+        limit = getattr(engine, "max_model_len", None) or self.settings.max_model_len
+        return int(limit or engine.config.max_position_embeddings)
+
+    def resolve_model(self, model: str) -> str | None:
+        """The adapter a request's `model` names (None = the base model); 404 when unknown."""
+        if model == self.model_name:
+            return None
+        if model in self._loaded:
+            return model
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    async def load_adapter(self, name: str, uri: str) -> LoadResult:
+        """Load `uri` as `name`: idempotent for the same URI, a hot swap for a different one."""
+        check_lora_name(name)
+        if name == self.model_name:
+            raise APIError(400, f"lora_name {name!r} is the base model's name")
+        if not self.settings.lora_enabled:
+            raise APIError(400, "LoRA is disabled on this worker (DYN_LORA_ENABLED=false)")
+        engine = self.engine
+        t0 = time.monotonic()
+        async with self._locks.hold(name):
+            previous = self._loaded.get(name)
+            if previous == uri:
+                return LoadResult(name, lora_id(name), f"LoRA adapter '{name}' already loaded")
+            try:
+                path = await self._fetch(uri)
+                await self._add_to_engine(engine, name, path, replace=previous is not None)
+            except APIError as e:
+                self.metrics.lora_loads.labels(outcome="error").inc()
+                log.warning("load of adapter %s from %s failed (%d): %s", name, uri, e.status, e.message)
+                raise
+            self._loaded[name] = uri
+            self._pin(uri, True)
+            if previous is not None:
+                self._pin(previous, False)
+        elapsed = time.monotonic() - t0
+        self.metrics.lora_loads.labels(outcome="success").inc()
+        self.metrics.lora_load_latency.observe(elapsed)
+        verb = "swapped" if previous is not None else "loaded"
+        log.info("adapter %s %s from %s in %.2fs (lora_id %d)", name, verb, uri, elapsed, lora_id(name))
+        return LoadResult(name, lora_id(name), f"LoRA adapter '{name}' {verb} successfully")
+
+    async def unload_adapter(self, name: str) -> LoadResult:
+        """Refuse new requests for `name` at once; return after its in-flight requests finished."""
+        check_lora_name(name)
+        engine = self.engine
+        t0 = time.monotonic()
+        async with self._locks.hold(name):
+            uri = self._loaded.pop(name, None)
+            if uri is None:
+                self.metrics.lora_unloads.labels(outcome="not_found").inc()
+                raise APIError(404, f"LoRA adapter '{name}' is not loaded")
+            try:
+                await engine.remove_adapter(name)
+            finally:
+                self._pin(uri, False)
+        elapsed = time.monotonic() - t0
+        self.metrics.lora_unloads.labels(outcome="success").inc()
+        self.metrics.lora_unload_latency.observe(elapsed)
+        log.info("adapter %s unloaded in %.2fs", name, elapsed)
+        return LoadResult(name, lora_id(name), f"LoRA adapter '{name}' unloaded successfully")
+
+    async def _fetch(self, uri: str) -> Path:
+        assert self._sources is not None
+        try:
+            return await self._sources.fetch(uri)
+        except SourceError as e:
+            raise APIError(e.status, e.message) from e
+
+    async def _add_to_engine(self, engine: Engine, name: str, path: Path, *, replace: bool) -> None:
+        adapter_error, _, capacity_error = _adapter_errors()
+        try:
+            await engine.add_adapter(name, path, replace=replace)
+        except capacity_error as e:
+            raise APIError(507, str(e)) from e
+        except adapter_error as e:
+            raise APIError(400, str(e)) from e
+        except Exception as e:  # a bad adapter must never take the worker down
+            log.exception("unexpected error while loading adapter %s from %s", name, path)
+            raise APIError(500, f"internal error while loading adapter '{name}': {type(e).__name__}: {e}") from e
+
+    def _pin(self, uri: str, pinned: bool) -> None:
+        if self._sources is not None:
+            (self._sources.pin if pinned else self._sources.unpin)(uri)
+
+
+def path_to_uri(lora_path: str) -> str:
+    """vLLM's `lora_path`: an absolute local directory (or already a URI) -> a source URI."""
+    if "://" in lora_path:
+        return lora_path
+    if not Path(lora_path).is_absolute():
+        raise APIError(400, f"lora_path must be an absolute path or a URI, got {lora_path!r}", param="lora_path")
+    return "file://" + quote(lora_path)
+
+
+def _manager_stats(engine: Engine) -> Any:
+    manager = getattr(engine, "manager", None) or getattr(engine, "adapter_manager", None)
+    return getattr(manager, "stats", None)
