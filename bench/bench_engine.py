@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,7 +30,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIXED_RANKS, bench_adapter, bench_model, log, machine, peak_rss_mib, percentile, write_json
+from common import (
+    MIXED_RANKS,
+    bench_adapter,
+    bench_model,
+    log,
+    machine,
+    peak_rss_mib,
+    percentile,
+    read_json,
+    write_json,
+)
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 64
@@ -152,7 +163,8 @@ def run_peft(model: Path, scenario: str, concurrencies: list[int], device: str) 
 
     spec = SCENARIOS[scenario]
     plan = adapter_plan(spec["adapters"])
-    hf: Any = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).eval()
+    auto: Any = AutoModelForCausalLM
+    hf: Any = auto.from_pretrained(model, dtype=torch.float32).to(device).eval()
     if plan:
         from peft import PeftModel
 
@@ -235,6 +247,7 @@ def main() -> None:
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     ap.add_argument("--systems", nargs="+", default=["lorafleet", "peft"], choices=["lorafleet", "peft"])
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--merge", action="store_true", help="keep the runs already in bench/engine.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--system", help=argparse.SUPPRESS)
     ap.add_argument("--scenario", help=argparse.SUPPRESS)
@@ -248,14 +261,25 @@ def main() -> None:
     model = bench_model()
     for name, rank in adapter_plan(max(SCENARIOS[s]["adapters"] for s in args.scenarios)):
         bench_adapter(model, int(name[1:]), rank)
-    runs: dict[str, dict[str, Any]] = {}
-    for system in args.systems:
-        for scenario in args.scenarios:
+    previous = read_json("engine") if args.merge else None
+    runs: dict[str, dict[str, Any]] = dict(previous["runs"]) if previous else {}
+    for scenario in args.scenarios:  # both systems back to back: they see the same machine load
+        for system in args.systems:
             log(f"running {system} / {scenario} at concurrency {args.concurrency}")
             cmd = [sys.executable, __file__, "--child", "--system", system, "--scenario", scenario, "--device",
                    args.device, "--concurrency", *map(str, args.concurrency)]  # fmt: skip
+            t0 = time.time()
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
-            runs[f"{system}/{scenario}"] = json.loads(proc.stdout.strip().splitlines()[-1])
+            run = json.loads(proc.stdout.strip().splitlines()[-1])
+            run["started"] = time.strftime("%H:%M:%S", time.gmtime(t0))
+            run["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+            runs[f"{system}/{scenario}"] = run
+            model_info = {"path": str(model), "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN}
+            write_json("engine", {"machine": machine(), "model": model_info, "runs": runs, "ratios": ratios(runs)})
+
+
+def ratios(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Throughput ratios per (concurrency, scenario) present in `runs`."""
 
     def tok_s(key: str, c: int) -> float | None:
         for r in runs.get(key, {}).get("results", []):
@@ -263,26 +287,18 @@ def main() -> None:
                 return float(r["output_tok_s"])
         return None
 
-    ratios = []
-    for c in args.concurrency:
-        for scenario in args.scenarios:
-            ratios.append(
-                {
-                    "concurrency": c,
-                    "scenario": scenario,
-                    "lorafleet_vs_base": ratio(tok_s(f"lorafleet/{scenario}", c), tok_s("lorafleet/base", c)),
-                    "lorafleet_vs_peft": ratio(tok_s(f"lorafleet/{scenario}", c), tok_s(f"peft/{scenario}", c)),
-                }
-            )
-    write_json(
-        "engine",
+    concurrencies = sorted({r["concurrency"] for run in runs.values() for r in run["results"]})
+    scenarios = [s for s in SCENARIOS if any(k.endswith(f"/{s}") for k in runs)]
+    return [
         {
-            "machine": machine(),
-            "model": {"path": str(model), "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN},
-            "runs": runs,
-            "ratios": ratios,
-        },
-    )
+            "concurrency": c,
+            "scenario": scenario,
+            "lorafleet_vs_base": ratio(tok_s(f"lorafleet/{scenario}", c), tok_s("lorafleet/base", c)),
+            "lorafleet_vs_peft": ratio(tok_s(f"lorafleet/{scenario}", c), tok_s(f"peft/{scenario}", c)),
+        }
+        for c in concurrencies
+        for scenario in scenarios
+    ]
 
 
 if __name__ == "__main__":

@@ -82,11 +82,21 @@ def machine() -> dict[str, Any]:
     }
 
 
+def results_dir() -> Path:
+    """Where results go: bench/ (bench/smoke/ under LORAFLEET_BENCH_SMOKE)."""
+    return OUT_DIR / "smoke" if SMOKE else OUT_DIR
+
+
+def read_json(name: str) -> dict[str, Any] | None:
+    """bench/<name>.json (see `results_dir`), or None if it was not written."""
+    path = results_dir() / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def write_json(name: str, payload: dict[str, Any]) -> Path:
-    """Write bench/<name>.json (bench/smoke/<name>.json under LORAFLEET_BENCH_SMOKE)."""
-    out_dir = OUT_DIR / "smoke" if SMOKE else OUT_DIR
-    out_dir.mkdir(exist_ok=True)
-    path = out_dir / f"{name}.json"
+    """Write bench/<name>.json (see `results_dir`)."""
+    path = results_dir() / f"{name}.json"
+    path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     log(f"wrote {path}")
     return path

@@ -50,7 +50,7 @@ def apply(cluster: TestCluster, ns: str, manifest: str | dict[str, Any]) -> subp
 
 
 def lora(name: str, **spec: Any) -> dict[str, Any]:
-    base = {"modelName": name, "baseModelName": "base/model", "modelType": "lora", "source": {"uri": "s3://b1/x"}}
+    base = {"modelName": name, "baseModelName": "base/model", "modelType": "lora", "source": {"uri": "s3://bucket/x"}}
     return {
         "apiVersion": "nvidia.com/v1alpha1",
         "kind": "DynamoModel",
@@ -138,7 +138,7 @@ def test_explain_documents_every_spec_field(cluster: TestCluster) -> None:
 
     # the CRD's schema reaches the published OpenAPI a moment after it is Established
     out = wait_until(lambda: (text := explain("dynamomodel.spec")) and "replicas" in text and text, 60, "explain")
-    for field in ("modelName", "baseModelName", "modelType", "source", "replicas", "immutable"):
+    for field in ("modelName", "baseModelName", "modelType", "source", "replicas", "Immutable"):
         assert field in out
     assert "HRW" in explain("dynamomodel.status.placement")
     assert "hf://org/repo[@revision]" in explain("dynamomodel.spec.source.uri")

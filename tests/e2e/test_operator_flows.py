@@ -586,3 +586,27 @@ def test_deleting_a_model_unloads_it(stack: Stack) -> None:
     stack.cluster.kubectl("delete", "dm", "src-file", "-n", stack.ns, "--timeout=60s")
     assert all("org/file-lora" not in stack.loras(ip) for ip in ips)
     wait_until(lambda: stack.complete("org/file-lora").status_code == 404, 30, "router forgot the model")
+
+
+def test_operator_and_router_logged_no_unhandled_errors(stack: Stack) -> None:
+    for app in ("operator", "router"):
+        for pod in stack.pods(app):
+            log = stack.cluster.logs(stack.ns, pod["metadata"]["name"])
+            assert log, f"no log captured for {app}"
+            assert "Traceback" not in log, log[-3000:]
+
+
+def test_operator_liveness_and_metrics_endpoints(stack: Stack) -> None:
+    (pod,) = [p for p in stack.pods("operator") if _ready(p)]
+    ip = pod["status"]["podIP"]
+    assert stack.http.get(f"http://{ip}:8080/healthz").status_code == 200
+    text = stack.http.get(f"http://{ip}:9100/metrics").text
+    for metric in (
+        "lorafleet_operator_reconciles_total",
+        "lorafleet_operator_worker_calls_total",
+        "lorafleet_operator_worker_call_seconds_bucket",
+        "lorafleet_operator_placement_changes_total",
+    ):
+        assert metric in text, metric
+    router = stack.http.get(f"{stack.router}/metrics").text
+    assert 'lorafleet_router_requests_total{code="200",kind="adapter"}' in router

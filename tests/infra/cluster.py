@@ -88,6 +88,13 @@ def free_ports(n: int) -> list[int]:
         return [int(s.getsockname()[1]) for s in socks]
 
 
+class ToolError(subprocess.CalledProcessError):
+    """A CLI failed; unlike CalledProcessError its message includes the stderr."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\nstderr: {(self.stderr or '').strip()[-2000:]}"
+
+
 class ProcessExited(RuntimeError):
     """A component died; waiting for it is pointless (wait_until re-raises this at once)."""
 
@@ -95,10 +102,10 @@ class ProcessExited(RuntimeError):
 def run_tool(
     argv: Sequence[str], *, input: str | None = None, check: bool = True, timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:
-    """Run a CLI (kubectl, helm) capturing text output; CalledProcessError (with stderr) if `check` fails."""
+    """Run a CLI (kubectl, helm) capturing text output; ToolError (a CalledProcessError) if `check` fails."""
     done = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout)
     if check and done.returncode != 0:
-        raise subprocess.CalledProcessError(done.returncode, list(argv), done.stdout, done.stderr)
+        raise ToolError(done.returncode, list(argv), done.stdout, done.stderr)
     return done
 
 
@@ -280,8 +287,14 @@ class LocalCluster:
             )
 
     def stop(self) -> None:
-        """Stop every process (reverse start order); the temp dir is removed if this instance made it."""
-        terminate(list(reversed(self.procs.values())))
+        """Stop every process (reverse start order); the temp dir is removed if this instance made it.
+
+        The apiserver and controller-manager hold no state and the apiserver's graceful
+        shutdown can wait long on open watches, so they get 3 s; etcd gets 10 s.
+        """
+        stateless = [p for name, p in self.procs.items() if name != "etcd"]
+        terminate(list(reversed(stateless)), grace=3.0)
+        terminate([p for name, p in self.procs.items() if name == "etcd"])
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -386,17 +399,24 @@ def _cmd_down(workdir: Path) -> int:
         print(f"no cluster recorded in {state}", file=sys.stderr)
         return 0
     pids: dict[str, int] = json.loads(state.read_text())["pids"]
-    for pid in reversed(list(pids.values())):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGTERM)
-    with contextlib.suppress(TimeoutError):
-        wait_until(lambda: not any(_pid_alive(p) for p in pids.values()), 15, "processes to exit")
-    for pid in pids.values():
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
+    order = (("nodeagent",), ("kube-controller-manager", "kube-apiserver"), ("etcd",))
+    for names, grace in zip(order, (15.0, 3.0, 10.0), strict=True):
+        _stop_groups([pids[n] for n in names if n in pids], grace)
     shutil.rmtree(workdir, ignore_errors=True)
     print(f"stopped {', '.join(pids)}")
     return 0
+
+
+def _stop_groups(pids: Sequence[int], grace: float) -> None:
+    """SIGTERM the process groups of `pids` (not our children), SIGKILL after `grace` seconds."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: not any(_pid_alive(p) for p in pids), grace, "processes to exit")
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def _pid_alive(pid: int) -> bool:

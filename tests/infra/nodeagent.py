@@ -300,7 +300,8 @@ class NodeAgent:
         self._stop_grace = grace
         self._stop.set()
         for t in self._threads:
-            t.join(timeout=grace + 30)
+            if t.name != "nodeagent-_watch_pods":  # blocked in a long poll; it ends when its client closes
+                t.join(timeout=grace + 30)
         self._probes.shutdown(wait=False, cancel_futures=True)
         self.addresses.close()
         for kube in (self.kube, self._beat_kube, self._watch_kube):

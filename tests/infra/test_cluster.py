@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 from pathlib import Path
 
 import httpx
@@ -185,7 +186,9 @@ def test_foreground_deletion_waits_for_children(cluster: TestCluster) -> None:
 def test_admin_only_api_rejects_anonymous(cluster: TestCluster) -> None:
     assert cluster.local is not None
     resp = httpx.get(
-        cluster.local.server + "/api/v1/secrets", verify=str(cluster.local.credentials().ca_file), trust_env=False
+        cluster.local.server + "/api/v1/secrets",
+        verify=ssl.create_default_context(cafile=str(cluster.local.credentials().ca_file)),
+        trust_env=False,
     )
     assert resp.status_code in (401, 403)
 

@@ -45,7 +45,7 @@ class H(BaseHTTPRequestHandler):
             for k, v in parse_qs(url.query).items():
                 state[k] = v[0] == "1"
             return self.reply(200, state)
-        keys = ["POD_NAME", "POD_NAMESPACE", "POD_IP", "MY_NODE", "GREETING", "LEVEL", "CFG_LEVEL", "DATA_DIR",
+        keys = ["POD_NAME", "POD_NAMESPACE", "POD_IP", "MY_NODE", "GREETING", "LEVEL", "CFG_MODE", "DATA_DIR",
                 "LORAFLEET_MOUNT_APP", "KUBERNETES_SERVICE_HOST", "KUBECONFIG", "EXPANDED"]
         body = {k: os.environ.get(k) for k in keys}
         body["argv"] = sys.argv
@@ -159,7 +159,7 @@ def _deployment(ns: str) -> list[JSON]:
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": {"name": "web-env", "namespace": ns},
-            "data": {"level": "3"},
+            "data": {"level": "3", "MODE": "fast"},
         },
         {
             "apiVersion": "v1",
@@ -240,7 +240,7 @@ def test_deployment_scales_and_readiness_follows_the_probe(cluster: TestCluster)
     name = pod["metadata"]["name"]
     assert body["POD_NAME"] == name and body["POD_NAMESPACE"] == ns and body["POD_IP"] == ip
     assert body["MY_NODE"] == cluster.agent.node_name  # type: ignore[union-attr]
-    assert body["GREETING"] == "hi" and body["LEVEL"] == "3" and body["CFG_LEVEL"] == "3"
+    assert body["GREETING"] == "hi" and body["LEVEL"] == "3" and body["CFG_MODE"] == "fast"
     assert body["EXPANDED"] == f"{name}@{body['MY_NODE']}"
     assert body["secret_file"] == "hi"  # /etc/greeting/greeting rewritten into the pod's secret volume
     assert body["DATA_DIR"].endswith("/volumes/data/files") and body["argv"][1] == f"--data={body['DATA_DIR']}"

@@ -151,6 +151,18 @@ def test_base_only_batch_is_untouched(device: torch.device) -> None:
     assert torch.equal(out, out0)
 
 
+def test_activations_in_another_dtype_than_the_pool(device: torch.device) -> None:
+    """fp32 activations and output over an fp16 slot pool: converted, delta added in the output's dtype."""
+    w = random_proj_weights(
+        in_dim=24, widths=(16, 16), ranks=[[4, 2], [16, 0]], max_rank=16, dtype=torch.float16, device=device
+    )
+    slots = [0, 1, -1, 1, 0]
+    x, out0 = inputs(len(slots), 24, 32, torch.float32, device)
+    got = run_backend(TritonLoRABackend(), x, out0, w, slots)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), dense_reference(x, out0, w, slots), atol=1e-2, rtol=1e-2)
+
+
 def test_bad_inputs_are_rejected(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     w = random_proj_weights(in_dim=16, widths=(16,), ranks=[[4]], max_rank=16, dtype=torch.float16, device=device)
     slots = torch.zeros(2, dtype=torch.int32, device=device)

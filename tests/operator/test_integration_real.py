@@ -282,3 +282,20 @@ async def test_delete_unloads_everywhere(env: Env) -> None:
     assert env.holders("org/adapter-b") == set()
     env.table.on_model("DELETED", body)
     await env.complete("org/adapter-b", expect=404)
+
+
+async def test_metrics_record_reconciles_calls_and_churn(env: Env) -> None:
+    from prometheus_client import REGISTRY
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    assert sample("lorafleet_operator_reconciles_total", result="ok") > 0
+    assert sample("lorafleet_operator_worker_calls_total", op="load", outcome="success") >= 5
+    assert sample("lorafleet_operator_worker_calls_total", op="load", outcome="400") >= 1
+    assert sample("lorafleet_operator_worker_calls_total", op="unload", outcome="success") >= 3
+    assert sample("lorafleet_operator_worker_call_seconds_count", op="load") > 0
+    assert sample("lorafleet_operator_placement_changes_total", change="added") >= 1
+    assert sample("lorafleet_operator_models", phase="Ready") >= 1
+    assert sample("lorafleet_router_requests_total", kind="adapter", code="200") > 0
+    assert sample("lorafleet_router_requests_total", kind="unknown", code="404") >= 1

@@ -91,12 +91,12 @@ def slot_adapters(shared_worker: Worker, sources: list[Path]) -> Iterator[list[s
 async def test_more_adapters_in_flight_than_slots(shared_worker: Worker, slot_adapters: list[str]) -> None:
     models = [*slot_adapters, "tiny-llama"]
     assert len(slot_adapters) == 2 * MAX_LORAS
-    expected = {m: _reference(shared_worker, m, 6) for m in models}
+    expected = {m: _reference(shared_worker, m, 12) for m in models}
     assert len({tuple(v) for v in expected.values()}) == len(models), "adapters should differ"
     before = shared_worker.metrics()
 
     async with httpx.AsyncClient(timeout=300) as client:
-        requests = [_body(m, 6) for m in models for _ in range(3)]
+        requests = [_body(m, 12) for m in models for _ in range(3)]
         random.Random(7).shuffle(requests)
         responses = await asyncio.gather(
             *(client.post(f"{shared_worker.url}/v1/completions", json=b) for b in requests)

@@ -101,14 +101,23 @@ def test_bad_fields_are_400(shared_worker: Worker, body: dict[str, Any], param: 
     assert param in _openai_error(r, 400)
 
 
-def test_unknown_model_is_404_in_openai_shape(shared_worker: Worker) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_unknown_model_is_404_in_openai_shape(shared_worker: Worker, stream: bool) -> None:
     for path, extra in (
         ("/v1/completions", {"prompt": "x"}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
     ):
-        r = httpx.post(f"{shared_worker.url}{path}", json={"model": "ghost", **extra}, timeout=30)
+        body = {"model": "ghost", "stream": stream, **extra}
+        r = httpx.post(f"{shared_worker.url}{path}", json=body, timeout=30)
         assert "ghost" in _openai_error(r, 404)
         assert r.json()["error"]["code"] == "model_not_found"
+
+
+def test_unknown_route_and_method(shared_worker: Worker) -> None:
+    assert _openai_error(httpx.get(f"{shared_worker.url}/v1/nothing-here"), 404)
+    assert _openai_error(httpx.get(f"{shared_worker.url}/v1/completions"), 405)
+    r = httpx.get(f"{shared_worker.system_url}/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["status"] == "error"
 
 
 # --- adapter validation (400) -------------------------------------------------------------------------
@@ -233,3 +242,25 @@ async def test_lora_disabled_refuses_loads(tmp_path: Path) -> None:
     with pytest.raises(APIError) as info:
         await service.load_adapter("a", "file:///x")
     assert info.value.status == 400 and "DYN_LORA_ENABLED" in info.value.message
+
+
+def test_failed_hot_swap_keeps_the_old_adapter(shared_worker: Worker, good_adapter: Path) -> None:
+    """Bad input loses nothing: a swap to a broken adapter leaves the loaded one serving."""
+    good = _variant(shared_worker, good_adapter, "swap-good")
+    bad = _variant(shared_worker, good_adapter, "swap-bad")
+    (bad / "adapter_config.json").unlink()
+    shared_worker.load("err-swap", good)
+    before = shared_worker.complete("err-swap", "Hello", max_tokens=4, ignore_eos=True)["choices"][0]["text"]
+    r = httpx.post(
+        f"{shared_worker.system_url}/v1/loras",
+        json={"lora_name": "err-swap", "source": {"uri": f"file://{bad}"}},
+        headers=shared_worker.admin_headers(),
+        timeout=60,
+    )
+    assert r.status_code == 400 and "adapter_config.json" in r.json()["message"]
+    assert "err-swap" in shared_worker.loras()
+    models = {m["id"]: m["root"] for m in httpx.get(f"{shared_worker.url}/v1/models").json()["data"]}
+    assert models["err-swap"] == f"file://{good}"
+    after = shared_worker.complete("err-swap", "Hello", max_tokens=4, ignore_eos=True)["choices"][0]["text"]
+    assert after == before
+    shared_worker.unload("err-swap")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from lorafleet_worker.config import ModelConfigError
+from lorafleet_worker.config import ModelConfig, ModelConfigError
 from lorafleet_worker.devtools import make_tiny_model
 from lorafleet_worker.kv_cache import PagedKVCache
 from lorafleet_worker.model import Transformer
@@ -166,3 +166,13 @@ def test_mistral_sliding_window_matches_transformers(tmp_path: Path) -> None:
     full = Transformer(dataclasses.replace(model.config, sliding_window=None))
     full.load_state_dict(model.state_dict())
     assert (our_logprobs(full, PROMPT) - ours).abs().max().item() > 1e-3  # the window really mattered
+
+
+def test_eos_ids_merge_generation_config(tiny_models: Any, tmp_path: Path) -> None:
+    d = shutil.copytree(tiny_models["llama"], tmp_path / "m")
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**raw, "eos_token_id": 5}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5, 9]}))
+    assert ModelConfig.from_dir(d).eos_token_ids == (5, 7, 9)
+    (d / "generation_config.json").write_text("{not json")
+    assert ModelConfig.from_dir(d).eos_token_ids == (5,)

@@ -99,6 +99,7 @@ def test_max_num_seqs_limits_running(config: ModelConfig) -> None:
 
 def test_out_of_blocks_preempts_the_newest_and_requeues_it_in_order(config: ModelConfig) -> None:
     sched = make_scheduler(config, num_blocks=4)
+    sched.watermark_blocks = 0  # let admission fill the cache completely
     old, new, later = seq("old", 8), seq("new", 8), seq("later", 4)
     for s in (old, new):
         sched.add(s)
@@ -111,6 +112,20 @@ def test_out_of_blocks_preempts_the_newest_and_requeues_it_in_order(config: Mode
     sched.finish(old, "stop")
     assert names(sched.schedule()) == ["new", "later"]  # recomputed, FIFO order kept
     assert new.tokens == [*range(1, 9), 0]  # the generated token is kept and recomputed
+
+
+def test_admission_keeps_a_watermark_for_running_decodes(config: ModelConfig) -> None:
+    sched = make_scheduler(config, num_blocks=4)
+    assert sched.watermark_blocks == 1
+    full = seq("full", 16)  # all 4 blocks: admitted because nothing else runs
+    sched.add(full)
+    assert names(sched.schedule()) == ["full"]
+    sched.finish(full, "stop")
+    first, second = seq("first", 8), seq("second", 8)
+    sched.add(first)
+    sched.add(second)
+    assert names(sched.schedule()) == ["first"]  # second would leave no free block
+    assert second.status is SeqStatus.WAITING
 
 
 def test_slot_waiters_age_and_are_not_starved(config: ModelConfig, manager: AdapterManager) -> None:

@@ -189,6 +189,9 @@ class Reconciler:
     def forget_pod(self, uid: str) -> None:
         """Drop what we know about a pod (it restarted, became unready or is gone)."""
         self._listings.pop(uid, None)
+        lock = self._listing_locks.get(uid)
+        if lock is not None and not lock.locked():
+            del self._listing_locks[uid]
         for key in [k for k in self._loaded if k[0] == uid]:
             del self._loaded[key]
 

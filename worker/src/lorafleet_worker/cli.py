@@ -19,7 +19,8 @@ environment:
   DYN_SYSTEM_PORT        default for --system-port
   DYN_LORA_PATH          default for --lora-cache-dir (downloaded adapters)
   DYN_LORA_ENABLED       set to false to refuse adapter loads
-  LORAFLEET_ADMIN_TOKEN  admin token for the management API (or --admin-token-file)
+  LORAFLEET_ADMIN_TOKEN  admin token for the management API (or --admin-token-file,
+                         or LORAFLEET_ADMIN_TOKEN_FILE)
   LORAFLEET_FILE_ROOTS   directories file:// adapter sources may come from (os.pathsep-separated)
   AWS_*, HF_ENDPOINT, HF_TOKEN   credentials of s3:// and hf:// sources
 """
@@ -58,38 +59,58 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         required=True,
         type=Path,
+        metavar="DIR",
         help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json)",
     )
-    serve.add_argument("--served-model-name", help="name clients send as `model` (default: the --model argument)")
-    serve.add_argument("--host", default="0.0.0.0", help="address of both servers (default 0.0.0.0)")
-    serve.add_argument("--port", type=_port, default=8000, help="inference port (default 8000)")
+    serve.add_argument(
+        "--served-model-name", metavar="NAME", help="name clients send as `model` (default: the --model argument)"
+    )
+    serve.add_argument("--host", metavar="HOST", default="0.0.0.0", help="address of both servers (default 0.0.0.0)")
+    serve.add_argument("--port", metavar="PORT", type=_port, default=8000, help="inference port (default 8000)")
     serve.add_argument(
         "--system-port",
+        metavar="PORT",
         type=_port,
         default=int(os.environ.get("DYN_SYSTEM_PORT", "9090")),
         help="management port (default $DYN_SYSTEM_PORT or 9090)",
     )
-    serve.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    serve.add_argument("--device", metavar="DEVICE", default="cpu", help="cpu or cuda[:N] (default cpu)")
     serve.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto"]
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto"],
+        help="weights and activations (default float32; auto = float32 on CPU, the checkpoint's on GPU)",
     )
     serve.add_argument(
-        "--max-loras", type=_positive, default=8, help="GPU adapter slots = most adapters in one step (default 8)"
+        "--max-loras",
+        metavar="N",
+        type=_positive,
+        default=8,
+        help="GPU adapter slots = most adapters in one step (default 8)",
     )
-    serve.add_argument("--max-cpu-loras", type=_positive, default=64, help="adapters kept in the CPU tier (default 64)")
-    serve.add_argument("--max-lora-rank", type=_positive, default=64, help="largest accepted adapter rank (default 64)")
-    serve.add_argument("--max-num-seqs", type=_positive, help="most requests running at once (engine default)")
-    serve.add_argument("--max-model-len", type=_positive, help="context length (default: the model's)")
+    serve.add_argument(
+        "--max-cpu-loras", metavar="N", type=_positive, default=64, help="adapters kept in the CPU tier (default 64)"
+    )
+    serve.add_argument(
+        "--max-lora-rank", metavar="R", type=_positive, default=64, help="largest accepted adapter rank (default 64)"
+    )
+    serve.add_argument(
+        "--max-num-seqs", metavar="N", type=_positive, help="most requests running at once (engine default)"
+    )
+    serve.add_argument("--max-model-len", metavar="N", type=_positive, help="context length (default: the model's)")
     serve.add_argument(
         "--lora-backend", default="torch", choices=["torch", "triton"], help="LoRA kernels (default torch)"
     )
     serve.add_argument(
         "--lora-cache-dir",
+        metavar="DIR",
         type=Path,
         default=Path(os.environ["DYN_LORA_PATH"]) if os.environ.get("DYN_LORA_PATH") else None,
         help="cache of downloaded adapters (default $DYN_LORA_PATH)",
     )
-    serve.add_argument("--admin-token-file", type=Path, help="file holding the management API's bearer token")
+    serve.add_argument(
+        "--admin-token-file", metavar="FILE", type=Path, help="file holding the management API's bearer token"
+    )
 
     tiny = sub.add_parser("make-tiny-model", help="write a random tiny model (dev tool)")
     tiny.add_argument("dir", type=Path, help="output directory")
@@ -108,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _admin_token(token_file: Path | None) -> str | None:
+    """--admin-token-file, else $LORAFLEET_ADMIN_TOKEN_FILE, else $LORAFLEET_ADMIN_TOKEN (None: no token)."""
+    if token_file is None and os.environ.get("LORAFLEET_ADMIN_TOKEN_FILE"):
+        token_file = Path(os.environ["LORAFLEET_ADMIN_TOKEN_FILE"])
     if token_file is not None:
         try:
             token = token_file.read_text().strip()
@@ -119,13 +143,26 @@ def _admin_token(token_file: Path | None) -> str | None:
     return os.environ.get("LORAFLEET_ADMIN_TOKEN", "").strip() or None
 
 
+def _resolve_dtype(name: str, model_dir: Path, device: str) -> str:
+    """fp32/bf16/fp16 aliases; `auto` = float32 on CPU, the checkpoint's dtype (fp16/bf16) on GPU."""
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+    if name != "auto":
+        return aliases.get(name, name)
+    if not device.startswith("cuda"):
+        return "float32"
+    from lorafleet_worker.config import ModelConfig
+
+    stored = ModelConfig.from_dir(model_dir).torch_dtype or ""
+    return stored if stored in ("bfloat16", "float16") else "bfloat16"
+
+
 def _serve(args: argparse.Namespace) -> int:
     from lorafleet_worker.server import run_worker
     from lorafleet_worker.service import WorkerSettings
 
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"lorafleet-worker: {args.model} is not a Hugging Face model directory (no config.json)")
-    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(args.dtype, args.dtype)
+    dtype = _resolve_dtype(args.dtype, args.model, args.device)
     settings = WorkerSettings(
         model_dir=args.model,
         served_model_name=args.served_model_name or str(args.model),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +54,10 @@ class ModelConfig:
             raise ModelConfigError(f"{path}: not found (is {model_dir} a Hugging Face model directory?)") from e
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{path}: invalid JSON: {e}") from e
-        return cls.from_dict(raw)
+        config = cls.from_dict(raw)
+        extra = _generation_eos(Path(model_dir) / "generation_config.json")
+        merged = tuple(dict.fromkeys((*config.eos_token_ids, *extra)))
+        return dataclasses.replace(config, eos_token_ids=merged)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -95,3 +99,13 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             sliding_window=int(sliding_window) if sliding_window else None,
         )
+
+
+def _generation_eos(path: Path) -> tuple[int, ...]:
+    """End-of-sequence ids of `generation_config.json` (e.g. Llama 3's <|eot_id|>); () if absent or unreadable."""
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(int(e) for e in ids if isinstance(e, int))

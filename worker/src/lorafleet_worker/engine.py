@@ -9,18 +9,18 @@ on the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from lorafleet_worker.config import ModelConfig
 from lorafleet_worker.kv_cache import PagedKVCache
-from lorafleet_worker.lora.backend import get_backend
+from lorafleet_worker.lora.backend import LoRABackend, get_backend
 from lorafleet_worker.lora.errors import AdapterNotFoundError, CapacityError
 from lorafleet_worker.lora.manager import AdapterManager
 from lorafleet_worker.model import LoRAContext, Transformer, parse_dtype
@@ -98,11 +98,26 @@ class Engine:
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings, 1 << 20)
         if max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
         _check_device(self.device, lora_backend)
         attn_backend = "triton" if lora_backend == "triton" and self.device.type == "cuda" else "torch"
         self.model = Transformer.from_pretrained(
             self.model_dir, device=self.device, dtype=self.dtype, config=self.config, attn_backend=attn_backend
         )
+        self.max_loras = max_loras  # the slot pool is allocated before the KV cache takes what is left
+        self.manager: AdapterManager | None = None
+        self.lora_backend: LoRABackend | None = None
+        if max_loras > 0:
+            self.manager = AdapterManager(
+                self.config,
+                max_loras=max_loras,
+                max_cpu_loras=max_cpu_loras,
+                max_lora_rank=max_lora_rank,
+                device=self.device,
+                dtype=self.dtype,
+            )
+            self.lora_backend = get_backend(lora_backend, self.device)
         if num_kv_blocks is None:
             num_kv_blocks = PagedKVCache.default_num_blocks(
                 self.config,
@@ -120,19 +135,6 @@ class Engine:
                 f"num_kv_blocks={num_kv_blocks} x block_size={block_size} cannot hold one sequence of "
                 f"max_model_len={self.max_model_len}"
             )
-        self.max_loras = max_loras
-        self.manager: Any = None
-        self.lora_backend: Any = None
-        if max_loras > 0:
-            self.manager = AdapterManager(
-                self.config,
-                max_loras=max_loras,
-                max_cpu_loras=max_cpu_loras,
-                max_lora_rank=max_lora_rank,
-                device=self.device,
-                dtype=self.dtype,
-            )
-            self.lora_backend = get_backend(lora_backend, self.device)
         self.scheduler = Scheduler(
             self.kv,
             self.manager,
@@ -248,7 +250,7 @@ class Engine:
 
     # ------------------------------------------------------------------ adapters
 
-    def _require_manager(self) -> Any:
+    def _require_manager(self) -> AdapterManager:
         if self.manager is None:
             raise CapacityError("LoRA is disabled on this worker (max_loras=0)")
         return self.manager
@@ -319,9 +321,10 @@ class Engine:
 
     def _step(self, plan: StepPlan) -> None:
         batch, token_slots = build_forward_batch(plan, self.kv.block_size, self.device)
-        if self.manager is not None and bool((token_slots >= 0).any()):
-            info = self.lora_backend.prepare(token_slots.to(self.device, non_blocking=True))
-            batch.lora = LoRAContext(self.lora_backend, self.manager.pool, info)
+        backend, manager = self.lora_backend, self.manager
+        if backend is not None and manager is not None and bool((token_slots >= 0).any()):
+            info = backend.prepare(token_slots.to(self.device, non_blocking=True))
+            batch.lora = LoRAContext(backend, manager.pool, info)
         logits = self.model(batch, self.kv)
         sampled_chunks = [c for c in plan.chunks if c.samples]
         picks = sample(logits, [c.seq.params for c in sampled_chunks], [c.seq.generator for c in sampled_chunks])
@@ -386,7 +389,7 @@ class Engine:
         with self._cond:
             inbox, self._inbox = self._inbox, []
         for seq in inbox:
-            if seq.ref is not None:
+            if seq.ref is not None and self.manager is not None:
                 self.manager.release(seq.ref)
         self._deliver([(s.request_id, TokenOutput(-1, 0.0, None, "abort")) for s in [*live, *inbox]])
         self._update_queue_stats()
@@ -400,8 +403,9 @@ class Engine:
         st.kv_blocks_free = self.kv.allocator.num_free
 
     def _deliver(self, items: list[tuple[str, TokenOutput | BaseException]]) -> None:
-        if items and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._dispatch, items)
+        if items and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody is listening
+                self._loop.call_soon_threadsafe(self._dispatch, items)
 
     def _dispatch(self, items: list[tuple[str, TokenOutput | BaseException]]) -> None:
         """Event-loop side: put each output in its request's queue; final items complete the request."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from lorafleet_worker.protocol import APIError
 from lorafleet_worker.service import WorkerService
 from lorafleet_worker.tokenizer import IncrementalDetokenizer, StopStringMatcher
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from lorafleet_worker.sampling import SamplingParams, TokenOutput
@@ -145,7 +148,17 @@ class Generation:
         m.requests.labels(model=self.model, outcome=self._outcome).inc()
         m.prompt_tokens.labels(model=self.model).inc(self.prompt_tokens)
         m.generation_tokens.labels(model=self.model).inc(self.completion_tokens)
-        m.request_latency.observe(time.monotonic() - self._t0)
+        elapsed = time.monotonic() - self._t0
+        m.request_latency.observe(elapsed)
+        log.info(
+            "request %s model=%s outcome=%s prompt_tokens=%d generated=%d in %.3fs",
+            self.request_id,
+            self.model,
+            self._outcome,
+            self.prompt_tokens,
+            self.completion_tokens,
+            elapsed,
+        )
 
     async def _next(self) -> TokenOutput | None:
         """The next engine output (None at the end); raises ClientDisconnected if the client left first."""

@@ -306,7 +306,10 @@ class DecoderLayer(nn.Module):
         bs = k_cache.shape[1]
         ks = k_cache[bt].view(b, max_blocks * bs, self.num_kv_heads, self.head_dim).transpose(1, 2)
         vs = v_cache[bt].view(b, max_blocks * bs, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return self._sdpa(q[:, :, None, :], ks, vs, batch.decode_mask, False)[:, :, 0, :]
+        # GQA without copying K/V: the query heads of one KV head become that head's query rows
+        qg = q.view(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=batch.decode_mask, scale=self.scale)
+        return o.reshape(b, self.num_heads, self.head_dim)
 
 
 class Transformer(nn.Module):

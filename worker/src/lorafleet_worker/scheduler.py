@@ -109,6 +109,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.watermark_blocks = max(1, kv.num_blocks // 100)
         self.failed: list[tuple[Sequence, Exception]] = []  # sequences that could not start; drained by the engine
 
     # ------------------------------------------------------------------ queue
@@ -156,7 +157,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
-        for seq in list(self.running):
+        for seq in sorted(self.running, key=lambda s: s.arrival):  # oldest first: they are preempted last
             if budget <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted by an older sequence this step
@@ -189,9 +190,12 @@ class Scheduler:
                 break
             needs_slot = seq.ref is not None and seq.slot < 0  # a preempted sequence keeps its slot
             if needs_slot and slots_blocked:
+                seq.slot_wait_since = seq.slot_wait_since if seq.slot_wait_since is not None else now
                 continue
             n = min(len(seq.tokens) - seq.num_computed, budget)
-            if self.kv.blocks_for(seq.num_computed + n) - len(seq.blocks) > self.kv.allocator.num_free:
+            # keep a few blocks for the decodes of running sequences (fewer preemptions), unless idle
+            reserve = self.watermark_blocks if self.running else 0
+            if self.kv.blocks_for(seq.num_computed + n) - len(seq.blocks) > self.kv.allocator.num_free - reserve:
                 break  # FIFO on memory: later sequences do not overtake one that does not fit
             if seq.ref is not None:
                 try:
@@ -201,8 +205,7 @@ class Scheduler:
                     self.failed.append((seq, exc))
                     continue
                 if slot is None or (slot not in slots and len(slots) >= self.max_loras):
-                    if seq.slot_wait_since is None:
-                        seq.slot_wait_since = now
+                    seq.slot_wait_since = seq.slot_wait_since if seq.slot_wait_since is not None else now
                     if now - seq.slot_wait_since >= self.slot_aging_s:
                         slots_blocked = True
                     continue

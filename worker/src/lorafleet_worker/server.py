@@ -38,9 +38,16 @@ async def run_worker(settings: WorkerSettings) -> int:
         _server(build_management_app(service), settings.host, settings.system_port),
     ]
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second signal: stop waiting for open connections
+            for s in servers:
+                s.force_exit = True
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
 
     serving = [asyncio.create_task(s.serve()) for s in servers]
     starting = asyncio.create_task(service.start())

@@ -24,20 +24,21 @@ ErrorRenderer = Callable[[APIError], dict[str, Any]]
 def install_error_handlers(app: FastAPI, render: ErrorRenderer) -> None:
     """Every error leaves as a real HTTP status with `render`'s body (malformed JSON and bad fields -> 400)."""
 
-    def respond(err: APIError) -> JSONResponse:
+    def respond(request: Request, err: APIError) -> JSONResponse:
+        log.info("%s %s -> %d: %s", request.method, request.url.path, err.status, err.message)
         return JSONResponse(render(err), status_code=err.status)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return respond(exc)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return respond(APIError(400, validation_message(exc.errors())))
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(request, APIError(400, validation_message(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return respond(APIError(exc.status_code, str(exc.detail)))
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return respond(request, APIError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(ClientDisconnected)
     async def disconnected(_: Request, exc: ClientDisconnected) -> Response:
@@ -47,7 +48,7 @@ def install_error_handlers(app: FastAPI, render: ErrorRenderer) -> None:
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error on %s %s", request.method, request.url.path)
-        return respond(APIError(500, f"internal error: {type(exc).__name__}"))
+        return respond(request, APIError(500, f"internal error: {type(exc).__name__}"))
 
 
 def add_probe_routes(app: FastAPI, service: WorkerService) -> None:

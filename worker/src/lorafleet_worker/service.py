@@ -74,7 +74,7 @@ class KeyedLocks:
 
     @asynccontextmanager
     async def hold(self, key: str) -> AsyncIterator[None]:
-        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        lock, users = self._locks[key] if key in self._locks else (asyncio.Lock(), 0)
         self._locks[key] = (lock, users + 1)
         try:
             async with lock:
@@ -124,7 +124,8 @@ class WorkerService:
 
     @property
     def ready(self) -> bool:
-        return self._engine is not None
+        """Model loaded and the engine's step loop alive."""
+        return self._engine is not None and bool(getattr(self._engine, "running", True))
 
     async def start(self) -> None:
         """Load tokenizer and model (off the event loop), then start the engine's step loop."""
@@ -216,10 +217,9 @@ class WorkerService:
             try:
                 path = await self._fetch(uri)
                 await self._add_to_engine(engine, name, path, replace=previous is not None)
-            except APIError as e:
+            except APIError:
                 self.metrics.lora_loads.labels(outcome="error").inc()
-                log.warning("load of adapter %s from %s failed (%d): %s", name, uri, e.status, e.message)
-                raise
+                raise  # logged by the HTTP error handler
             self._loaded[name] = uri
             self._pin(uri, True)
             if previous is not None:

@@ -191,7 +191,7 @@ def _expand_segmented_kernel(
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < 64
+        r_mask = offs_r < rank
         xt = tl.load(
             xa_ptr + tok[:, None] * stride_xa_t + s * stride_xa_s + offs_r[None, :],
             mask=m_mask[:, None] & r_mask[None, :],
@@ -240,7 +240,7 @@ def _shrink_gathered_kernel(
     if r0 >= rank:
         return
     offs_r = r0 + tl.arange(0, BLOCK_R)
-    r_mask = offs_r < 64
+    r_mask = offs_r < rank
     offs_k = tl.arange(0, BLOCK_K)
     a_base = a_ptr + slot * stride_a_slot + s * stride_a_slice
     acc = tl.full((BLOCK_R,), 0.0, tl.float32)

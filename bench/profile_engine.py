@@ -1,0 +1,139 @@
+"""Where a lorafleet engine step spends its time: one scenario at one concurrency, timed from outside.
+
+Wraps (without changing the engine's code) the step's parts with wall-clock timers: the whole
+step, the model forward, the LoRA backend's `apply` (all layers and groups), `prepare`, and
+sampling; `--torch-profile` also prints torch.profiler's top operators of one more pass.
+
+    python bench/profile_engine.py --scenario mixed16 --concurrency 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import OUTPUT_LEN, PROMPT_LEN, SCENARIOS, adapter_plan, one_pass, requests_for
+from common import bench_adapter, bench_model, log
+
+
+class Timers:
+    """Accumulated wall time and call count per label."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.enabled = False
+
+    def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total[label] += time.perf_counter() - t0
+                self.calls[label] += 1
+
+        return timed
+
+    def report(self) -> str:
+        step = self.total.get("step", 0.0) or 1e-9
+        rows = [f"{'part':<14}{'calls':>8}{'total s':>10}{'ms/call':>10}{'% of step':>11}"]
+        for label in sorted(self.total, key=lambda k: -self.total[k]):
+            t, n = self.total[label], self.calls[label]
+            rows.append(f"{label:<14}{n:>8}{t:>10.2f}{1000 * t / n:>10.3f}{100 * t / step:>10.1f}%")
+        return "\n".join(rows)
+
+
+def profile(model: Path, scenario: str, concurrency: int, torch_profile: bool) -> None:
+    import lorafleet_worker.engine as engine_mod
+    from lorafleet_worker.engine import Engine
+    from lorafleet_worker.sampling import SamplingParams
+
+    spec = SCENARIOS[scenario]
+    plan = adapter_plan(spec["adapters"])
+    timers = Timers()
+    engine = Engine(
+        model,
+        max_loras=spec["max_loras"],
+        max_cpu_loras=max(64, len(plan)),
+        max_lora_rank=64,
+        max_num_seqs=max(concurrency, 1),
+        max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
+    )
+    profiler = StepProfiler(engine._step) if torch_profile else None
+    engine._step = timers.wrap("step", profiler or engine._step)
+    engine.model.forward = timers.wrap("forward", engine.model.forward)
+    engine_mod.sample = timers.wrap("sample", engine_mod.sample)
+    engine_mod.build_forward_batch = timers.wrap("build_batch", engine_mod.build_forward_batch)
+    engine.scheduler.schedule = timers.wrap("schedule", engine.scheduler.schedule)
+    if engine.lora_backend is not None:
+        backend = engine.lora_backend
+        backend.apply = timers.wrap("lora_apply", backend.apply)
+        backend.prepare = timers.wrap("lora_prepare", backend.prepare)
+
+    async def main() -> None:
+        await engine.start()
+        for name, rank in plan:
+            await engine.add_adapter(name, bench_adapter(model, int(name[1:]), rank))
+        names = [n for n, _ in plan]
+        await one_pass(engine, SamplingParams, requests_for(1, names, engine.config.vocab_size)[:1], 1)
+        timers.enabled = True
+        reqs = requests_for(concurrency, names, engine.config.vocab_size)
+        res = await one_pass(engine, SamplingParams, reqs, concurrency)
+        timers.enabled = False
+        log(f"{scenario} c={concurrency}: {res['output_tok_s']} tok/s, {engine.stats.steps} steps")
+        print(timers.report(), flush=True)
+        if profiler is not None:
+            profiler.enabled = True
+            await one_pass(engine, SamplingParams, reqs, concurrency)
+            profiler.enabled = False
+            await one_pass(engine, SamplingParams, reqs[:1], 1)  # one more step stops the profiler
+            print(profiler.table, flush=True)
+        await engine.stop()
+
+    asyncio.run(main())
+
+
+class StepProfiler:
+    """torch.profiler around the engine's steps, started and stopped in the engine's own thread."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.prof: Any = None
+        self.enabled = False
+        self.table = ""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.enabled and self.prof is None:
+            self.prof = profile(activities=[ProfilerActivity.CPU])
+            self.prof.__enter__()
+        if not self.enabled and self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            self.table = self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+            self.prof = None
+        return self.fn(*args, **kwargs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", default="mixed16", choices=list(SCENARIOS))
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--torch-profile", action="store_true")
+    args = ap.parse_args()
+    model = bench_model()
+    profile(model, args.scenario, args.concurrency, args.torch_profile)
+
+
+if __name__ == "__main__":
+    main()
