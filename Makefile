@@ -18,7 +18,7 @@ PY_STAMP := $(VENV)/.lorafleet-setup-$(shell cat constraints.txt requirements-de
 setup-python: $(PY_STAMP)
 $(PY_STAMP): constraints.txt requirements-dev.txt worker/pyproject.toml operator/pyproject.toml jobs/pyproject.toml
 	@echo "==> creating $(VENV) and installing pinned Python dependencies (torch is ~3 GB on first run)"
-	@test -x $(PY) || python3 -m venv $(VENV)
+	@test -x $(VENV)/bin/pip || python3 -m venv --clear $(VENV)
 	@$(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt uv
 	@UV_CACHE_DIR=$(LORAFLEET_CACHE)/uv $(VENV)/bin/uv pip install --python $(PY) -c constraints.txt \
 		-e ./jobs -e ./operator -e './worker[dev]' -r requirements-dev.txt

@@ -157,12 +157,11 @@ async def one_pass(engine: Any, params_cls: Any, reqs: list[tuple[list[int], str
 # ---------------------------------------------------------------------------- transformers + PEFT
 
 
-def run_peft(model: Path, scenario: str, concurrencies: list[int], device: str) -> list[dict[str, Any]]:
+def load_peft(model: Path, plan: list[tuple[str, int]], device: str) -> Any:
+    """The transformers model, wrapped by PEFT with the plan's adapters (if any)."""
     import torch
-    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+    from transformers import AutoModelForCausalLM
 
-    spec = SCENARIOS[scenario]
-    plan = adapter_plan(spec["adapters"])
     auto: Any = AutoModelForCausalLM
     hf: Any = auto.from_pretrained(model, dtype=torch.float32).to(device).eval()
     if plan:
@@ -173,11 +172,18 @@ def run_peft(model: Path, scenario: str, concurrencies: list[int], device: str) 
         for name, rank in plan[1:]:
             hf.load_adapter(bench_adapter(model, int(name[1:]), rank), adapter_name=name)
         hf.eval()
-    vocab = hf.config.vocab_size
+    return hf
+
+
+def peft_generate(hf: Any, batch: list[tuple[list[int], str | None]], device: str) -> tuple[float, list[float]]:
+    """One static batch through `generate` (mixed adapters via `adapter_names` when `hf` is a PeftModel).
+
+    Returns the start time and the time of every decoding step (the first one ends the prefill).
+    """
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
 
     class StepClock(LogitsProcessor):
-        """Records the time of every decoding step (the first one ends the prefill)."""
-
         def __init__(self) -> None:
             self.times: list[float] = []
 
@@ -185,45 +191,113 @@ def run_peft(model: Path, scenario: str, concurrencies: list[int], device: str) 
             self.times.append(time.perf_counter())
             return scores
 
-    def generate(batch: list[tuple[list[int], str | None]]) -> tuple[float, list[float]]:
-        ids = torch.tensor([p for p, _ in batch], device=device)
-        clock = StepClock()
-        kwargs: dict[str, Any] = {}
-        if plan:
-            kwargs["adapter_names"] = [a or "__base__" for _, a in batch]
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=OUTPUT_LEN,
-                min_new_tokens=OUTPUT_LEN,
-                do_sample=False,
-                logits_processor=LogitsProcessorList([clock]),
-                pad_token_id=0,
-                **kwargs,
-            )
-        return t0, clock.times
+    ids = torch.tensor([p for p, _ in batch], device=device)
+    clock = StepClock()
+    kwargs: dict[str, Any] = {}
+    if hasattr(hf, "peft_config"):
+        kwargs["adapter_names"] = [a or "__base__" for _, a in batch]
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=OUTPUT_LEN,
+            min_new_tokens=OUTPUT_LEN,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([clock]),
+            pad_token_id=0,
+            **kwargs,
+        )
+    return t0, clock.times
 
+
+def peft_pass(hf: Any, reqs: list[tuple[list[int], str | None]], c: int, device: str) -> dict[str, Any]:
+    """The requests in static batches of `c` (what a transformers + PEFT server does)."""
+    ttfts: list[float] = []
+    itls: list[float] = []
+    tokens = 0
+    start = time.perf_counter()
+    for i in range(0, len(reqs), c):
+        batch = reqs[i : i + c]
+        t0, times = peft_generate(hf, batch, device)
+        ttfts += [times[0] - t0] * len(batch)
+        itls += [b - a for a, b in itertools.pairwise(times)] * len(batch)
+        tokens += len(times) * len(batch)
+    return summarize(time.perf_counter() - start, ttfts, itls, tokens, c, len(reqs))
+
+
+def run_peft(model: Path, scenario: str, concurrencies: list[int], device: str) -> list[dict[str, Any]]:
+    plan = adapter_plan(SCENARIOS[scenario]["adapters"])
+    hf = load_peft(model, plan, device)
     names = [n for n, _ in plan]
-    generate(requests_for(1, names, vocab)[:1])  # warm-up
+    vocab = hf.config.vocab_size
+    peft_generate(hf, requests_for(1, names, vocab)[:1], device)  # warm-up
     results = []
     for c in concurrencies:
-        reqs = requests_for(c, names, vocab)
-        ttfts: list[float] = []
-        itls: list[float] = []
-        tokens = 0
-        start = time.perf_counter()
-        for i in range(0, len(reqs), c):
-            batch = reqs[i : i + c]
-            t0, times = generate(batch)
-            ttfts += [times[0] - t0] * len(batch)
-            itls += [b - a for a, b in itertools.pairwise(times)] * len(batch)
-            tokens += len(times) * len(batch)
-        res = summarize(time.perf_counter() - start, ttfts, itls, tokens, c, len(reqs))
+        res = peft_pass(hf, requests_for(c, names, vocab), c, device)
         log(f"peft {scenario} c={c}: {res['output_tok_s']} tok/s")
         results.append(res)
     return results
+
+
+# ---------------------------------------------------------------------------- interleaved A/B
+
+
+AB_SYSTEMS = ("lorafleet/base", "lorafleet/mixed16", "peft/base")
+
+
+def run_ab(model: Path, concurrencies: list[int], rounds: int, device: str) -> dict[str, Any]:
+    """lorafleet base, lorafleet mixed16 and transformers base in ONE process, pass after pass.
+
+    On a shared, noisy machine the three see the same load: each round runs every (system,
+    concurrency) once, and the ratios use the best pass of each. One Engine serves both
+    lorafleet scenarios (base requests carry no adapter).
+    """
+    from lorafleet_worker.engine import Engine
+    from lorafleet_worker.sampling import SamplingParams
+
+    plan = adapter_plan(SCENARIOS["mixed16"]["adapters"])
+    names = [n for n, _ in plan]
+    engine = Engine(model, device=device, max_loras=16, max_cpu_loras=64, max_lora_rank=64,
+                    max_num_seqs=max(concurrencies), max_model_len=PROMPT_LEN + OUTPUT_LEN + 16)  # fmt: skip
+    hf = load_peft(model, [], device)
+    vocab = engine.config.vocab_size
+    passes: dict[str, list[dict[str, Any]]] = {f"{k}@{c}": [] for k in AB_SYSTEMS for c in concurrencies}
+
+    async def main() -> None:
+        await engine.start()
+        for name, rank in plan:
+            await engine.add_adapter(name, bench_adapter(model, int(name[1:]), rank))
+        await one_pass(engine, SamplingParams, requests_for(1, names, vocab)[:1], 1)
+        peft_generate(hf, requests_for(1, [], vocab)[:1], device)
+        for r in range(rounds):
+            for c in concurrencies:
+                for key in AB_SYSTEMS:
+                    reqs = requests_for(c, [] if key.endswith("base") else names, vocab)
+                    if key.startswith("lorafleet"):
+                        res = await one_pass(engine, SamplingParams, reqs, c)
+                    else:
+                        res = peft_pass(hf, reqs, c, device)
+                    res["loadavg_1m"] = round(os.getloadavg()[0], 2)
+                    passes[f"{key}@{c}"].append(res)
+                    log(f"A/B round {r + 1}: {key} c={c}: {res['output_tok_s']} tok/s")
+        await engine.stop()
+
+    asyncio.run(main())
+    best = {k: max(v, key=lambda res: res["output_tok_s"]) for k, v in passes.items()}
+    ratios = [
+        {
+            "concurrency": c,
+            "mixed16_vs_base": ratio(
+                best[f"lorafleet/mixed16@{c}"]["output_tok_s"], best[f"lorafleet/base@{c}"]["output_tok_s"]
+            ),
+            "lorafleet_base_vs_peft_base": ratio(
+                best[f"lorafleet/base@{c}"]["output_tok_s"], best[f"peft/base@{c}"]["output_tok_s"]
+            ),
+        }
+        for c in concurrencies
+    ]
+    return {"rounds": rounds, "passes": passes, "best": best, "ratios": ratios}
 
 
 # ---------------------------------------------------------------------------- driver
@@ -248,6 +322,7 @@ def main() -> None:
     ap.add_argument("--systems", nargs="+", default=["lorafleet", "peft"], choices=["lorafleet", "peft"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--merge", action="store_true", help="keep the runs already in bench/engine.json")
+    ap.add_argument("--ab", type=int, metavar="ROUNDS", help="interleaved A/B in one process (bench/engine_ab.json)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--system", help=argparse.SUPPRESS)
     ap.add_argument("--scenario", help=argparse.SUPPRESS)
@@ -257,6 +332,11 @@ def main() -> None:
         return
     if args.quick:
         args.concurrency, args.scenarios = [1, 8], ["base", "mixed16"]
+    if args.ab:
+        model = bench_model()
+        result = run_ab(model, args.concurrency, args.ab, args.device)
+        write_json("engine_ab", {"machine": machine(), "model": {"path": str(model)}, **result})
+        return
 
     model = bench_model()
     for name, rank in adapter_plan(max(SCENARIOS[s]["adapters"] for s in args.scenarios)):

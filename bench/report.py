@@ -22,7 +22,7 @@ def table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def engine_section(data: dict[str, Any]) -> list[str]:
-    lines = ["## Engine (lorafleet vs transformers + PEFT)", "", f"Machine: `{data['machine']}`", ""]
+    lines = ["## Engine (lorafleet vs transformers + PEFT)", "", machine_line(data["machine"]), ""]
     rows = []
     for key, run in sorted(data["runs"].items()):
         for r in run["results"]:
@@ -38,6 +38,14 @@ def engine_section(data: dict[str, Any]) -> list[str]:
     plot_engine(data)
     lines += ["![throughput](engine_throughput.png)", ""]
     return lines
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    """One line about the machine a result was measured on (load average at the time it was written)."""
+    device = m.get("cuda") or f"CPU only, {m.get('cpu_count')} cores, {m.get('torch_threads')} torch threads"
+    load = m.get("loadavg_1_5_15")
+    smoke = " — SMOKE model, not a result" if m.get("smoke") else ""
+    return f"Machine: {device}; torch {m.get('torch')}; load average (1/5/15 min) {load}{smoke}."
 
 
 def plot_engine(data: dict[str, Any]) -> None:
@@ -69,7 +77,7 @@ def main() -> None:
     if loading:
         rows = [[rank, kind, v["p50_ms"], v["p99_ms"], v["n"]] for rank, kinds in loading["results"].items()
                 for kind, v in kinds.items()]  # fmt: skip
-        lines += [table(["adapter", "path", "p50 ms", "p99 ms", "n"], rows), ""]
+        lines += [machine_line(loading["machine"]), "", table(["adapter", "path", "p50 ms", "p99 ms", "n"], rows), ""]
     else:
         lines += ["not run", ""]
     placement = read_json("placement")
@@ -81,6 +89,7 @@ def main() -> None:
     operator = read_json("operator")
     lines += ["## Operator: apply → Ready on the local control plane", ""]
     if operator:
+        lines += [machine_line(operator["machine"]), ""]
         lines += [table(["DynamoModels", "workers", "seconds to all Ready"],
                         [[r["models"], r["workers"], r["seconds"]] for r in operator["results"]]), ""]  # fmt: skip
     else:

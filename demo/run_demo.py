@@ -87,13 +87,14 @@ def adapters_and_hub(workdir: Path) -> Iterator[tuple[dict[str, Path], str]]:
         yield dirs, hub.url
 
 
-def wait_for_interrupt(release: object, router: str, kubeconfig: Path) -> None:
+def wait_for_interrupt(namespace: str, router: str, kubeconfig: Path) -> None:
+    from tests.infra.cluster import tool_path
+
     print(
-        "\nDEMO_KEEP=1: everything stays up until Ctrl-C.\n"
+        "\nDEMO_KEEP=1: everything stays up until Ctrl-C. From another shell:\n"
         f"  export KUBECONFIG={kubeconfig}\n"
-        f"  {ROOT}/.venv/bin/python -c 'from tests.infra.cluster import tool_path; print(tool_path(\"kubectl\"))'"
-        "   # the kubectl to use\n"
-        "  kubectl get dm,pods -A\n"
+        f"  alias kubectl={tool_path('kubectl')}\n"
+        f"  kubectl -n {namespace} get dm,pods\n"
         f"  curl {router}/v1/models\n"
         f"  curl {router}/v1/completions -H 'content-type: application/json' "
         '-d \'{"model": "my-custom-lora", "prompt": "The fleet", "max_tokens": 16}\'\n',
@@ -112,7 +113,7 @@ def wait_for_interrupt(release: object, router: str, kubeconfig: Path) -> None:
 
 
 def run() -> int:
-    from tests.delivery.stack import BASE_MODEL, Release, default_values
+    from tests.delivery.stack import BASE_MODEL, Release, default_values, wait_for
     from tests.infra.session import shared_cluster
 
     keep = os.environ.get("DEMO_KEEP", "") not in ("", "0")
@@ -135,13 +136,15 @@ def run() -> int:
                     pods = ", ".join(e["podName"] for e in dm["status"]["endpoints"])
                     say(f"DynamoModel {name} Ready on {pods}")
                 print("\n$ kubectl get dm\n" + release.table(), flush=True)
+                names = {BASE_MODEL, *(m for m, _ in MODELS.values())}
+                wait_for(lambda: names <= release.models(), 60, "the router to list every model")
                 router = release.router_url()
                 say(f"asking every model through the router Service ({router})")
                 for model in (BASE_MODEL, *(m for m, _ in MODELS.values())):
                     for prompt in PROMPTS:
                         print(f"  {model:<18} {prompt!r:>20} -> {release.complete(model, prompt, 12)!r}", flush=True)
                 if keep:
-                    wait_for_interrupt(release, router, cluster.kubeconfig)
+                    wait_for_interrupt(release.namespace, router, cluster.kubeconfig)
                 say("tearing down")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

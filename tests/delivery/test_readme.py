@@ -44,7 +44,7 @@ def test_operator_settings_are_documented() -> None:
 
 
 def test_worker_serve_flags_are_documented() -> None:
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     flags = {opt for action in serve._actions for opt in action.option_strings if opt.startswith("--")}
     flags.discard("--help")
     assert "--max-loras" in flags

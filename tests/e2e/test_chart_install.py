@@ -80,11 +80,12 @@ def test_dynamo_manifest_verbatim_and_hf_adapter_answer_through_the_router(relea
     resolved = hf["status"]["resolvedUri"]
     assert resolved.startswith("s3://lorafleet/") and "lorafleet-demo/support-lora/" in resolved, resolved
     assert hf["status"].get("syncJob")
+    names = {"my-custom-lora", "support-adapter", BASE_MODEL}
+    wait_for(lambda: names <= release.models(), 60, "the router to list both adapters")  # its watch may lag
     base = release.complete(BASE_MODEL)
     dynamo, synced = release.complete("my-custom-lora"), release.complete("support-adapter")
     assert base and dynamo and synced
     assert dynamo != base and synced != base and dynamo != synced, (base, dynamo, synced)
-    assert {"my-custom-lora", "support-adapter", BASE_MODEL} <= release.models()
     # An unknown model is a clean OpenAI-style 404 from the router.
     with pytest.raises(httpx.HTTPStatusError) as err:
         release.complete("no-such-adapter")
@@ -110,6 +111,8 @@ def test_scaling_the_workers_moves_placements(release: Release) -> None:
     dm = release.wait_ready("my-lora", total=1)
     assert placed(release, "my-lora") == {survivor["metadata"]["name"]}
     assert dm["status"]["endpoints"][0]["address"] == f"http://{survivor['status']['podIP']}:9090"
+    release.wait_ready("support-lora", total=1)  # re-placed from a pod that left, if it was there
+    assert placed(release, "support-lora") == {survivor["metadata"]["name"]}
     assert {"my-custom-lora", "support-adapter"} <= release.worker_loras(survivor)
     assert release.complete("my-custom-lora") != release.complete(BASE_MODEL)
     release.apply_values(scale(2))

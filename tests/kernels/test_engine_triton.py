@@ -33,8 +33,7 @@ def model_and_adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
 
 async def _run(model: Path, adapters: dict[str, Path], backend: str) -> tuple[dict[str | None, list[TokenOutput]], int]:
     engine = Engine(model, device="cpu", dtype="float32", max_loras=4, max_lora_rank=16, lora_backend=backend)
-    if backend == "triton":
-        engine.model.attn_backend = "triton"  # the paged-attention kernel too (the engine enables it on CUDA only)
+    assert engine.model.attn_backend == backend  # the paged-attention kernel goes with the Triton backend
     await engine.start()
     try:
         for name, path in adapters.items():

@@ -97,3 +97,15 @@ async def test_workqueue_dedupes_and_requeues_dirty_keys() -> None:
     assert await asyncio.wait_for(q.get(), 2) == "c"
     q.done("c")
     assert q.idle()
+
+
+def test_operator_package_never_imports_torch_or_the_worker() -> None:
+    code = (
+        "import sys, importlib, pkgutil, lorafleet_operator\n"
+        "for m in pkgutil.iter_modules(lorafleet_operator.__path__):\n"
+        "    importlib.import_module('lorafleet_operator.' + m.name)\n"
+        "bad = sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'lorafleet_worker', 'transformers'))\n"
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

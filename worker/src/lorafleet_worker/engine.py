@@ -101,7 +101,8 @@ class Engine:
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
         _check_device(self.device, lora_backend)
-        attn_backend = "triton" if lora_backend == "triton" and self.device.type == "cuda" else "torch"
+        # The Triton paged-attention kernel goes with the Triton LoRA backend (on CUDA, or interpreted in tests).
+        attn_backend = "triton" if lora_backend == "triton" else "torch"
         self.model = Transformer.from_pretrained(
             self.model_dir, device=self.device, dtype=self.dtype, config=self.config, attn_backend=attn_backend
         )

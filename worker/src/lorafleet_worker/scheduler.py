@@ -157,6 +157,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
+        preemptions = self.num_preemptions
         for seq in sorted(self.running, key=lambda s: s.arrival):  # oldest first: they are preempted last
             if budget <= 0:
                 break
@@ -168,7 +169,8 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, n))
             scheduled.add(id(seq))
             budget -= n
-        self._admit(chunks, budget, {c.seq.slot for c in chunks if c.seq.slot >= 0})
+        if self.num_preemptions == preemptions:  # memory is short when running sequences were preempted
+            self._admit(chunks, budget, {c.seq.slot for c in chunks if c.seq.slot >= 0})
         chunks.sort(key=lambda c: c.num_tokens != 1)  # stable: decode tokens first
         return StepPlan(chunks, sum(1 for c in chunks if c.num_tokens == 1))
 
