@@ -2,9 +2,10 @@
 
 Wraps (without changing the engine's code) the step's parts with wall-clock timers: the whole
 step, the model forward, the LoRA backend's `apply` (all layers and groups), `prepare`, and
-sampling; `--torch-profile` also prints torch.profiler's top operators of one more pass.
+sampling. `--torch-profile [STEPS]` also prints torch.profiler's top operators over a few decode
+steps of one more pass (a whole pass would hold gigabytes of trace).
 
-    python bench/profile_engine.py --scenario mixed16 --concurrency 32
+    python bench/profile_engine.py --scenario mixed16 --concurrency 32 --torch-profile 4
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import OUTPUT_LEN, PROMPT_LEN, SCENARIOS, adapter_plan, one_pass, requests_for
 from common import bench_adapter, bench_model, log
+
+PREFILL_STEPS = 2  # the first steps of a pass are prefills; the torch profile covers decode steps
 
 
 class Timers:
@@ -53,7 +56,33 @@ class Timers:
         return "\n".join(rows)
 
 
-def profile(model: Path, scenario: str, concurrency: int, torch_profile: bool) -> None:
+class StepProfiler:
+    """torch.profiler around `max_steps` decode steps, started and stopped in the engine's own thread."""
+
+    def __init__(self, fn: Callable[..., Any], max_steps: int) -> None:
+        self.fn = fn
+        self.max_steps = max_steps
+        self.steps = 0
+        self.prof: Any = None
+        self.enabled = False
+        self.table = ""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.enabled:
+            self.steps += 1
+        if self.enabled and self.prof is None and self.steps == PREFILL_STEPS + 1:
+            self.prof = profile(activities=[ProfilerActivity.CPU])
+            self.prof.__enter__()
+        if self.prof is not None and (not self.enabled or self.steps > PREFILL_STEPS + self.max_steps):
+            self.prof.__exit__(None, None, None)
+            self.table = self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+            self.prof = None
+        return self.fn(*args, **kwargs)
+
+
+def profile(model: Path, scenario: str, concurrency: int, profile_steps: int) -> None:
     import lorafleet_worker.engine as engine_mod
     from lorafleet_worker.engine import Engine
     from lorafleet_worker.sampling import SamplingParams
@@ -69,8 +98,8 @@ def profile(model: Path, scenario: str, concurrency: int, torch_profile: bool) -
         max_num_seqs=max(concurrency, 1),
         max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
     )
-    profiler = StepProfiler(engine._step) if torch_profile else None
-    engine._step = timers.wrap("step", profiler or engine._step)
+    profiler = StepProfiler(engine._step, profile_steps) if profile_steps else None
+    engine._step = timers.wrap("step", profiler or engine._step)  # type: ignore[method-assign]
     engine.model.forward = timers.wrap("forward", engine.model.forward)
     engine_mod.sample = timers.wrap("sample", engine_mod.sample)
     engine_mod.build_forward_batch = timers.wrap("build_batch", engine_mod.build_forward_batch)
@@ -80,7 +109,7 @@ def profile(model: Path, scenario: str, concurrency: int, torch_profile: bool) -
         backend.apply = timers.wrap("lora_apply", backend.apply)
         backend.prepare = timers.wrap("lora_prepare", backend.prepare)
 
-    async def main() -> None:
+    async def run() -> None:
         await engine.start()
         for name, rank in plan:
             await engine.add_adapter(name, bench_adapter(model, int(name[1:]), rank))
@@ -100,39 +129,17 @@ def profile(model: Path, scenario: str, concurrency: int, torch_profile: bool) -
             print(profiler.table, flush=True)
         await engine.stop()
 
-    asyncio.run(main())
-
-
-class StepProfiler:
-    """torch.profiler around the engine's steps, started and stopped in the engine's own thread."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-        self.prof: Any = None
-        self.enabled = False
-        self.table = ""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.profiler import ProfilerActivity, profile
-
-        if self.enabled and self.prof is None:
-            self.prof = profile(activities=[ProfilerActivity.CPU])
-            self.prof.__enter__()
-        if not self.enabled and self.prof is not None:
-            self.prof.__exit__(None, None, None)
-            self.table = self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
-            self.prof = None
-        return self.fn(*args, **kwargs)
+    asyncio.run(run())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", default="mixed16", choices=list(SCENARIOS))
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--torch-profile", action="store_true")
+    ap.add_argument("--torch-profile", type=int, nargs="?", const=4, default=0, metavar="STEPS",
+                    help="torch.profiler table of STEPS decode steps (default 4) of one more pass")  # fmt: skip
     args = ap.parse_args()
-    model = bench_model()
-    profile(model, args.scenario, args.concurrency, args.torch_profile)
+    profile(bench_model(), args.scenario, args.concurrency, args.torch_profile)
 
 
 if __name__ == "__main__":

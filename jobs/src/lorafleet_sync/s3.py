@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import SourceError
 from .log import get_logger
@@ -22,6 +22,7 @@ from .uris import S3URI, URIError, validate_relative_key
 log = get_logger(__name__)
 _TRUE = {"1", "true", "yes", "on"}
 SHA256_META = "sha256"  # x-amz-meta-sha256 on objects uploaded by the sync job
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,16 @@ class S3Settings:
             aws_access_key_id=self.access_key_id, aws_secret_access_key=self.secret_access_key
         )
         return session.client("s3", endpoint_url=self.endpoint_url, config=config)
+
+
+def call(label: str, fn: Callable[[], _T]) -> _T:
+    """Run ``fn`` (a boto3 call), mapping its errors to SourceError (see :func:`classify`)."""
+    try:
+        return fn()
+    except SourceError:
+        raise
+    except Exception as exc:
+        raise classify(exc, label) from None
 
 
 def classify(exc: BaseException, label: str) -> SourceError:

@@ -20,7 +20,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 from . import hf, s3
 from .cache import DiskCache
@@ -33,7 +32,6 @@ from .uris import S3URI, AdapterURI, FileURI, HfURI, URIError, cache_key, is_com
 __all__ = ["AdapterSources", "FetchPolicy", "SourceError"]
 
 log = get_logger(__name__)
-_T = TypeVar("_T")
 
 
 def _parse_roots(value: str) -> list[Path]:
@@ -164,8 +162,8 @@ class AdapterSources:
             key = cache_key(uri)
             if (hit := self._hit(key)) is not None:
                 return hit
-            client = self._call(label, lambda: self.s3_settings.client(**timeouts))
-            objects = self._call(label, lambda: s3.list_objects(client, uri))
+            client = s3.call(label, lambda: self.s3_settings.client(**timeouts))
+            objects = s3.call(label, lambda: s3.list_objects(client, uri))
             if not objects:
                 raise SourceError(400, f"{uri}: no objects under this prefix")
             expected = sum(o.size for o in objects)
@@ -194,7 +192,7 @@ class AdapterSources:
         self.cache.reserve(key, expected)
         tmp = self.cache.new_temp(key)
         try:
-            self._call(label, lambda: download(tmp))
+            s3.call(label, lambda: download(tmp))
             validate_adapter_dir(tmp, label)
             path = self.cache.commit(key, tmp)
         except BaseException:
@@ -221,16 +219,6 @@ class AdapterSources:
     def _observer(self, label: str) -> Callable[[str], None] | None:
         hook = self.on_file
         return None if hook is None else (lambda rel: hook(label, rel))
-
-    @staticmethod
-    def _call(label: str, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` mapping boto3 errors to SourceError (hf errors are mapped in :mod:`hf`)."""
-        try:
-            return fn()
-        except SourceError:
-            raise
-        except Exception as exc:
-            raise s3.classify(exc, label) from None
 
 
 def _parse(uri: str) -> AdapterURI:

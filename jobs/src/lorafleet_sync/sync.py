@@ -10,12 +10,11 @@ otherwise download the files, upload those that differ, delete stray objects, an
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from . import hf, s3
 from .errors import SourceError
@@ -24,7 +23,6 @@ from .manifest import MANIFEST_NAME, FileEntry, Manifest, file_entry, validate_a
 from .uris import S3URI, HfURI, synced_uri
 
 log = get_logger(__name__)
-_T = TypeVar("_T")
 
 
 class ExitCode(IntEnum):
@@ -49,15 +47,6 @@ class SyncResult:
     unchanged: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     manifest_written: bool = False
-
-
-def _s3(label: str, fn: Callable[[], _T]) -> _T:
-    try:
-        return fn()
-    except SourceError:
-        raise
-    except Exception as exc:
-        raise s3.classify(exc, label) from None
 
 
 def sync(
@@ -93,35 +82,35 @@ def sync(
         validate_adapter_dir(workdir, str(source))
         entries = [file_entry(workdir, f.path) for f in files]
         for i, entry in enumerate(entries, 1):
-            if _s3(label, partial(_object_matches, client, target, entry)):
+            if s3.call(label, partial(_object_matches, client, target, entry)):
                 result.unchanged.append(entry.path)
                 log.info("unchanged %s (%d/%d, %d bytes)", entry.path, i, total, entry.size)
                 continue
             key = target.key_prefix + entry.path
-            _s3(label, partial(s3.upload_file, client, target.bucket, key, workdir / entry.path, entry.sha256))
+            s3.call(label, partial(s3.upload_file, client, target.bucket, key, workdir / entry.path, entry.sha256))
             result.uploaded.append(entry.path)
             log.info(
                 "uploaded %s (%d/%d, %d bytes) to s3://%s/%s", entry.path, i, total, entry.size, target.bucket, key
             )
 
     keep = {e.path for e in entries} | {MANIFEST_NAME}
-    for obj in _s3(label, lambda: s3.list_objects(client, target)):
+    for obj in s3.call(label, lambda: s3.list_objects(client, target)):
         if obj.rel not in keep:
-            _s3(label, partial(client.delete_object, Bucket=target.bucket, Key=obj.key))
+            s3.call(label, partial(client.delete_object, Bucket=target.bucket, Key=obj.key))
             result.deleted.append(obj.rel)
             log.info("deleted stray object %s", obj.key)
 
     manifest = Manifest(source=str(source.with_revision(sha)), sha=sha, files=entries)
     if existing is None or existing.to_json() != manifest.to_json() or result.uploaded or result.deleted:
         body = manifest.to_json().encode()
-        _s3(label, lambda: s3.put_bytes(client, target.bucket, target.key_prefix + MANIFEST_NAME, body))
+        s3.call(label, lambda: s3.put_bytes(client, target.bucket, target.key_prefix + MANIFEST_NAME, body))
         result.manifest_written = True
         log.info("wrote %s (%d files)", MANIFEST_NAME, len(entries))
     return result
 
 
 def _read_manifest(client: Any, target: S3URI) -> Manifest | None:
-    data = _s3(str(target), lambda: s3.get_bytes(client, target.bucket, target.key_prefix + MANIFEST_NAME))
+    data = s3.call(str(target), lambda: s3.get_bytes(client, target.bucket, target.key_prefix + MANIFEST_NAME))
     if data is None:
         return None
     try:
@@ -135,7 +124,7 @@ def _up_to_date(client: Any, target: S3URI, existing: Manifest, sha: str, files:
     """The destination's manifest is for ``sha``, lists exactly ``files``, and every object matches it."""
     if existing.sha != sha or {f.path for f in existing.files} != {f.path for f in files}:
         return False
-    return all(_s3(str(target), partial(_object_matches, client, target, e)) for e in existing.files)
+    return all(s3.call(str(target), partial(_object_matches, client, target, e)) for e in existing.files)
 
 
 def _object_matches(client: Any, target: S3URI, entry: FileEntry) -> bool:
