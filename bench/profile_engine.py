@@ -99,7 +99,7 @@ def profile(model: Path, scenario: str, concurrency: int, profile_steps: int) ->
         max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
     )
     profiler = StepProfiler(engine._step, profile_steps) if profile_steps else None
-    engine._step = timers.wrap("step", profiler or engine._step)  # type: ignore[method-assign]
+    engine._step = timers.wrap("step", profiler or engine._step)
     engine.model.forward = timers.wrap("forward", engine.model.forward)
     engine_mod.sample = timers.wrap("sample", engine_mod.sample)
     engine_mod.build_forward_batch = timers.wrap("build_batch", engine_mod.build_forward_batch)

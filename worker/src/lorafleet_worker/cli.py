@@ -21,6 +21,7 @@ environment:
   DYN_LORA_ENABLED       set to false to refuse adapter loads
   LORAFLEET_ADMIN_TOKEN  admin token for the management API (or --admin-token-file,
                          or LORAFLEET_ADMIN_TOKEN_FILE)
+  LORAFLEET_MAX_LOADED_LORAS  default for --max-loaded-loras
   LORAFLEET_FILE_ROOTS   directories file:// adapter sources may come from (os.pathsep-separated)
   AWS_*, HF_ENDPOINT, HF_TOKEN   credentials of s3:// and hf:// sources
 """
@@ -93,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-lora-rank", metavar="R", type=_positive, default=64, help="largest accepted adapter rank (default 64)"
+    )
+    serve.add_argument(
+        "--max-loaded-loras",
+        metavar="N",
+        type=_positive,
+        default=os.environ.get("LORAFLEET_MAX_LOADED_LORAS") or None,  # argparse applies `type` to it
+        help="the most adapters registered at once; beyond it POST /v1/loras answers 507 "
+        "(default $LORAFLEET_MAX_LOADED_LORAS or unlimited)",
     )
     serve.add_argument(
         "--max-num-seqs", metavar="N", type=_positive, help="most requests running at once (engine default)"
@@ -174,6 +183,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,
         max_lora_rank=args.max_lora_rank,
+        max_loaded_loras=args.max_loaded_loras,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         lora_backend=args.lora_backend,
@@ -182,12 +192,13 @@ def _serve(args: argparse.Namespace) -> int:
         lora_enabled=os.environ.get("DYN_LORA_ENABLED", "true").strip().lower() not in _FALSE,
     )
     log.info(
-        "admin token %s; LoRA %s; max_loras=%d max_cpu_loras=%d max_lora_rank=%d backend=%s",
+        "admin token %s; LoRA %s; max_loras=%d max_cpu_loras=%d max_lora_rank=%d max_loaded_loras=%s backend=%s",
         "configured" if settings.admin_token else "not configured (management API is open)",
         "enabled" if settings.lora_enabled else "disabled",
         settings.max_loras,
         settings.max_cpu_loras,
         settings.max_lora_rank,
+        settings.max_loaded_loras or "unlimited",
         settings.lora_backend,
     )
     return asyncio.run(run_worker(settings))

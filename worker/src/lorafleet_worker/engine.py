@@ -83,6 +83,7 @@ class Engine:
         max_loras: int = 8,
         max_cpu_loras: int = 64,
         max_lora_rank: int = 64,
+        max_adapters: int | None = None,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
         lora_backend: str = "torch",
@@ -115,6 +116,7 @@ class Engine:
                 max_loras=max_loras,
                 max_cpu_loras=max_cpu_loras,
                 max_lora_rank=max_lora_rank,
+                max_adapters=max_adapters,
                 device=self.device,
                 dtype=self.dtype,
             )

@@ -43,6 +43,7 @@ class WorkerSettings:
     max_loras: int = 8
     max_cpu_loras: int = 64
     max_lora_rank: int = 64
+    max_loaded_loras: int | None = None  # most adapters registered at once (None: unlimited)
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     lora_backend: str = "torch"
@@ -59,6 +60,8 @@ class WorkerSettings:
             "max_lora_rank": self.max_lora_rank,
             "lora_backend": self.lora_backend,
         }
+        if self.max_loaded_loras is not None:
+            kwargs["max_adapters"] = self.max_loaded_loras
         if self.max_num_seqs is not None:
             kwargs["max_num_seqs"] = self.max_num_seqs
         if self.max_model_len is not None:
