@@ -64,19 +64,23 @@ class TorchLoRABackend:
         if not batch.has_lora:
             return
         ranks, scalings = w.host_meta()
-        order = batch.sorted_token_ids.long()
         offs = w.slice_offsets
+        # Base-only tokens sort first; the adapted ones follow, grouped by slot. Gather them once,
+        # compute every segment's update into one contiguous buffer, scatter whole rows once.
+        first = batch.segments[0][1]
+        order = batch.sorted_token_ids[first:].long()
+        xs = x.index_select(0, order)
+        delta = torch.zeros(xs.shape[0], out.shape[1], dtype=x.dtype, device=x.device)
         for slot, start, end in batch.segments:
-            slices = [s for s in range(w.n_slices) if ranks[slot][s] > 0]
-            if not slices:
-                continue
-            idx = order[start:end]
-            x_seg = x.index_select(0, idx)
-            for s in slices:
+            lo, hi = start - first, end - first
+            x_seg = xs[lo:hi]  # a view: no copy
+            for s in range(w.n_slices):
                 r = ranks[slot][s]
+                if r == 0:
+                    continue
                 shrunk = (x_seg @ w.A[slot, s, :r].to(x.dtype).T) * scalings[slot][s]
-                delta = shrunk @ w.B[slot, offs[s] : offs[s + 1], :r].to(x.dtype).T
-                out[:, offs[s] : offs[s + 1]].index_add_(0, idx, delta.to(out.dtype))
+                delta[lo:hi, offs[s] : offs[s + 1]] = shrunk @ w.B[slot, offs[s] : offs[s + 1], :r].to(x.dtype).T
+        out.index_add_(0, order, delta.to(out.dtype))
 
 
 def get_backend(name: str, device: torch.device | str = "cpu") -> LoRABackend:
