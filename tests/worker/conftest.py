@@ -191,3 +191,19 @@ def place_adapter(shared_worker: Worker) -> Callable[[Path, str], Path]:
         return dst
 
     return place
+
+
+def load_error(worker: Worker, name: str, uri: str, status: int, headers: dict[str, str] | None = None) -> str:
+    """POST /v1/loras expecting `status`; checks the Dynamo error body and that nothing got loaded."""
+    r = httpx.post(
+        f"{worker.system_url}/v1/loras",
+        json={"lora_name": name, "source": {"uri": uri}},
+        headers=worker.admin_headers() if headers is None else headers,
+        timeout=120,
+    )
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["status"] == "error" and body["message"], body
+    assert name not in worker.loras()
+    message: str = body["message"]
+    return message

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.worker.conftest import ADMIN_TOKEN, Worker
+from tests.worker.conftest import ADMIN_TOKEN, Worker, load_error
 
 
 @pytest.fixture(autouse=True)
@@ -39,21 +39,6 @@ def _variant(worker: Worker, src: Path, name: str) -> Path:
         shutil.rmtree(dst)
     shutil.copytree(src, dst)
     return dst
-
-
-def _load_error(worker: Worker, name: str, uri: str, status: int, headers: dict[str, str] | None = None) -> str:
-    r = httpx.post(
-        f"{worker.system_url}/v1/loras",
-        json={"lora_name": name, "source": {"uri": uri}},
-        headers=worker.admin_headers() if headers is None else headers,
-        timeout=120,
-    )
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert body["status"] == "error" and body["message"], body
-    assert name not in worker.loras()
-    message: str = body["message"]
-    return message
 
 
 def _openai_error(r: httpx.Response, status: int) -> str:
@@ -126,7 +111,7 @@ def test_unknown_route_and_method(shared_worker: Worker) -> None:
 def test_corrupt_safetensors(shared_worker: Worker, good_adapter: Path) -> None:
     bad = _variant(shared_worker, good_adapter, "err-corrupt")
     (bad / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a safetensors file")
-    assert "corrupt" in _load_error(shared_worker, "err-corrupt", f"file://{bad}", 400)
+    assert "corrupt" in load_error(shared_worker, "err-corrupt", f"file://{bad}", 400)
 
 
 def test_shape_mismatch(shared_worker: Worker, good_adapter: Path) -> None:
@@ -135,31 +120,31 @@ def test_shape_mismatch(shared_worker: Worker, good_adapter: Path) -> None:
     key = next(k for k in sorted(weights) if "q_proj.lora_A" in k)
     weights[key] = torch.cat([weights[key], weights[key][:, :8]], dim=1)  # in_dim + 8
     save_file(weights, bad / "adapter_model.safetensors")
-    assert "shape mismatch" in _load_error(shared_worker, "err-shape", f"file://{bad}", 400)
+    assert "shape mismatch" in load_error(shared_worker, "err-shape", f"file://{bad}", 400)
 
 
 def test_dora(shared_worker: Worker, tiny_models: Any, tiny_adapter_factory: Any) -> None:
     src = tiny_adapter_factory(tiny_models["llama"], rank=4, seed=32, use_dora=True)
     bad = _variant(shared_worker, src, "err-dora")
-    assert "DoRA" in _load_error(shared_worker, "err-dora", f"file://{bad}", 400)
+    assert "DoRA" in load_error(shared_worker, "err-dora", f"file://{bad}", 400)
 
 
 def test_modules_to_save(shared_worker: Worker, tiny_models: Any, tiny_adapter_factory: Any) -> None:
     src = tiny_adapter_factory(tiny_models["llama"], rank=4, seed=33, modules_to_save=["lm_head"])
     bad = _variant(shared_worker, src, "err-mts")
-    assert "modules_to_save" in _load_error(shared_worker, "err-mts", f"file://{bad}", 400)
+    assert "modules_to_save" in load_error(shared_worker, "err-mts", f"file://{bad}", 400)
 
 
 def test_rank_above_max(shared_worker: Worker, tiny_models: Any, tiny_adapter_factory: Any) -> None:
     src = tiny_adapter_factory(tiny_models["llama"], rank=96, seed=34, targets=["q_proj"])
     bad = _variant(shared_worker, src, "err-rank")
-    assert "maximum LoRA rank 64" in _load_error(shared_worker, "err-rank", f"file://{bad}", 400)
+    assert "maximum LoRA rank 64" in load_error(shared_worker, "err-rank", f"file://{bad}", 400)
 
 
 def test_missing_adapter_config(shared_worker: Worker, good_adapter: Path) -> None:
     bad = _variant(shared_worker, good_adapter, "err-noconfig")
     (bad / "adapter_config.json").unlink()
-    assert "adapter_config.json" in _load_error(shared_worker, "err-noconfig", f"file://{bad}", 400)
+    assert "adapter_config.json" in load_error(shared_worker, "err-noconfig", f"file://{bad}", 400)
 
 
 def test_unsupported_target_module(shared_worker: Worker, good_adapter: Path) -> None:
@@ -167,7 +152,7 @@ def test_unsupported_target_module(shared_worker: Worker, good_adapter: Path) ->
     config = json.loads((bad / "adapter_config.json").read_text())
     config["target_modules"] = ["embed_tokens"]
     (bad / "adapter_config.json").write_text(json.dumps(config))
-    assert "embed" in _load_error(shared_worker, "err-target", f"file://{bad}", 400)
+    assert "embed" in load_error(shared_worker, "err-target", f"file://{bad}", 400)
 
 
 # --- sources, names, auth --------------------------------------------------------------------------------
@@ -175,10 +160,10 @@ def test_unsupported_target_module(shared_worker: Worker, good_adapter: Path) ->
 
 def test_path_outside_allowed_roots(shared_worker: Worker, good_adapter: Path) -> None:
     assert not good_adapter.is_relative_to(shared_worker.file_root)
-    message = _load_error(shared_worker, "err-outside", f"file://{good_adapter}", 400)
+    message = load_error(shared_worker, "err-outside", f"file://{good_adapter}", 400)
     assert "outside the allowed roots" in message
     traversal = f"file://{shared_worker.file_root}/../../etc"
-    _load_error(shared_worker, "err-traversal", traversal, 400)
+    load_error(shared_worker, "err-traversal", traversal, 400)
     r = httpx.post(
         f"{shared_worker.url}/v1/load_lora_adapter",
         json={"lora_name": "err-outside", "lora_path": str(good_adapter)},
@@ -189,8 +174,8 @@ def test_path_outside_allowed_roots(shared_worker: Worker, good_adapter: Path) -
 
 
 def test_bad_uri_and_missing_directory(shared_worker: Worker) -> None:
-    _load_error(shared_worker, "err-scheme", "ftp://example.com/adapter", 400)
-    _load_error(shared_worker, "err-missing", f"file://{shared_worker.file_root}/does-not-exist", 400)
+    load_error(shared_worker, "err-scheme", "ftp://example.com/adapter", 400)
+    load_error(shared_worker, "err-missing", f"file://{shared_worker.file_root}/does-not-exist", 400)
 
 
 @pytest.mark.parametrize("name", ["", "a" * 129, "bad..name", "spaces are bad", "semi;colon"])
@@ -212,9 +197,9 @@ def test_unload_unknown_is_404(shared_worker: Worker) -> None:
 
 def test_admin_token(shared_worker: Worker, good_adapter: Path) -> None:
     uri = f"file://{good_adapter}"
-    assert "admin token" in _load_error(shared_worker, "err-auth", uri, 401, headers={})
+    assert "admin token" in load_error(shared_worker, "err-auth", uri, 401, headers={})
     wrong = shared_worker.admin_headers("wrong-token-xyz123")
-    assert "admin token" in _load_error(shared_worker, "err-auth", uri, 403, headers=wrong)
+    assert "admin token" in load_error(shared_worker, "err-auth", uri, 403, headers=wrong)
     url = shared_worker.system_url
     assert httpx.get(f"{url}/v1/loras").status_code == 401
     assert httpx.get(f"{url}/v1/loras", headers={"Authorization": "Bearer nope"}).status_code == 403

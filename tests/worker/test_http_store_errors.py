@@ -16,7 +16,7 @@ import httpx
 import pytest
 from lorafleet_worker.demo import free_port
 
-from tests.worker.conftest import Worker, start_worker, stop_worker
+from tests.worker.conftest import Worker, load_error, start_worker, stop_worker
 
 STORE_HOST = "127.0.0.1"
 FETCH_DEADLINE_S = 2.0
@@ -131,16 +131,6 @@ def stalling_store(port: int) -> Iterator[_StoreServer]:
         thread.join(timeout=30)
 
 
-def _load_error(worker: Worker, name: str, uri: str, status: int) -> str:
-    r = httpx.post(f"{worker.system_url}/v1/loras", json={"lora_name": name, "source": {"uri": uri}}, timeout=120)
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert body["status"] == "error" and body["message"], body
-    assert name not in worker.loras()
-    message: str = body["message"]
-    return message
-
-
 def _assert_no_partial_download(worker: Worker) -> None:
     """The download cache ($DYN_LORA_PATH) holds no entry and no temp directory after a failed fetch."""
     cache = worker.log_path.parent / "lora-cache"
@@ -150,7 +140,7 @@ def _assert_no_partial_download(worker: Worker) -> None:
 
 def test_store_refusing_connections_is_502(worker: Worker) -> None:
     uri = "s3://adapters/refused/v1/"
-    message = _load_error(worker, "refused", uri, 502)
+    message = load_error(worker, "refused", uri, 502)
     assert uri.rstrip("/") in message and "unreachable" in message, message
     _assert_no_partial_download(worker)
 
@@ -158,7 +148,7 @@ def test_store_refusing_connections_is_502(worker: Worker) -> None:
 def test_store_stalling_mid_download_is_504(worker: Worker, store_port: int) -> None:
     uri = "s3://adapters/stalled/v1/"
     with stalling_store(store_port) as store:
-        message = _load_error(worker, "stalled", uri, 504)
+        message = load_error(worker, "stalled", uri, 504)
         assert "/adapters/stalled/v1/adapter_model.safetensors" in store.requests, store.requests
     assert uri.rstrip("/") in message and "timed out" in message, message
     _assert_no_partial_download(worker)
