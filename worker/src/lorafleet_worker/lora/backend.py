@@ -80,21 +80,26 @@ class TorchLoRABackend:
         ranks, scalings = w.host_meta()
         offs = w.slice_offsets
         # Base-only tokens sort first; the adapted ones follow, grouped by slot. Gather them once,
-        # compute every segment's update into one contiguous buffer, scatter whole rows once.
+        # accumulate every segment's update into one contiguous buffer, scatter whole rows once.
+        # Per slice: one mm (shrink) and one in-place addmm_ into a strided view of the buffer,
+        # with the scaling as addmm_'s alpha: no temporaries, no separate multiply or copy.
         first = batch.segments[0][1]
         order = batch.sorted_token_ids[first:].long()
         xs = x.index_select(0, order)
-        delta = torch.zeros(xs.shape[0], out.shape[1], dtype=x.dtype, device=x.device)
+        delta = x.new_zeros(xs.shape[0], out.shape[1])
         for slot, start, end in batch.segments:
-            lo, hi = start - first, end - first
-            x_seg = xs[lo:hi]  # a view: no copy
-            for s in range(w.n_slices):
-                r = ranks[slot][s]
-                if r == 0:
-                    continue
-                shrunk = (x_seg @ w.A[slot, s, :r].to(x.dtype).T) * scalings[slot][s]
-                delta[lo:hi, offs[s] : offs[s + 1]] = shrunk @ w.B[slot, offs[s] : offs[s + 1], :r].to(x.dtype).T
+            x_seg, d_seg = xs[start - first : end - first], delta[start - first : end - first]
+            a_slot, b_slot = _as(w.A[slot], x.dtype), _as(w.B[slot], x.dtype)
+            for s, (r, scaling) in enumerate(zip(ranks[slot], scalings[slot], strict=True)):
+                if r:
+                    shrunk = torch.mm(x_seg, a_slot[s, :r].t())
+                    d_seg[:, offs[s] : offs[s + 1]].addmm_(shrunk, b_slot[offs[s] : offs[s + 1], :r].t(), alpha=scaling)
         out.index_add_(0, order, delta.to(out.dtype))
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """`t` in `dtype` (no call at all when it already is: this runs thousands of times a step)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def get_backend(name: str, device: torch.device | str = "cpu") -> LoRABackend:
