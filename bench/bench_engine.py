@@ -14,6 +14,14 @@ subprocess so that peak memory is its own.
 
     python bench/bench_engine.py                 # the full run (writes bench/engine.json)
     python bench/bench_engine.py --quick         # concurrency 1 and 8, fewer scenarios
+    python bench/bench_engine.py --workload varied   # bench/engine_varied.json
+
+Workloads: `uniform` (the default) gives every request a 128-token prompt and 64 output tokens,
+max(4, concurrency) requests: the best case for PEFT's static batches (no padding, everyone
+finishes together). `varied` draws prompt lengths from 64..192 and output lengths from 16..112
+(same means) and sends max(8, 3 x concurrency) requests through `concurrency` closed-loop
+clients, like a server's traffic: PEFT pads each static batch to its longest prompt and runs it
+to its longest output; lorafleet admits the next request as soon as one finishes.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +53,7 @@ from common import (
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 64
+MAX_MODEL_LEN = PROMPT_LEN * 3 // 2 + OUTPUT_LEN * 7 // 4 + 16  # fits the varied workload
 SCENARIOS: dict[str, dict[str, int]] = {
     "base": {"adapters": 0, "max_loras": 16},
     "one": {"adapters": 1, "max_loras": 16},
@@ -59,15 +69,33 @@ def adapter_plan(n: int) -> list[tuple[str, int]]:
     return [(f"a{i:03d}", MIXED_RANKS[i % len(MIXED_RANKS)]) for i in range(n)]
 
 
-def requests_for(concurrency: int, adapters: list[str], vocab: int) -> list[tuple[list[int], str | None]]:
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    adapter: str | None
+    max_tokens: int = OUTPUT_LEN
+
+
+WORKLOADS = ("uniform", "varied")
+
+
+def requests_for(concurrency: int, adapters: list[str], vocab: int, workload: str = "uniform") -> list[Request]:
+    """The fixed request set of one pass (seeded by the concurrency, so every system gets the same)."""
     import torch
 
     gen = torch.Generator().manual_seed(concurrency)
-    n = max(4, concurrency)
+    varied = workload == "varied"
+    n = max(8, 3 * concurrency) if varied else max(4, concurrency)
     out = []
     for i in range(n):
-        prompt = torch.randint(10, vocab, (PROMPT_LEN,), generator=gen).tolist()
-        out.append((prompt, adapters[i % len(adapters)] if adapters else None))
+        plen = (
+            int(torch.randint(PROMPT_LEN // 2, PROMPT_LEN * 3 // 2 + 1, (1,), generator=gen)) if varied else PROMPT_LEN
+        )
+        olen = (
+            int(torch.randint(OUTPUT_LEN // 4, OUTPUT_LEN * 7 // 4 + 1, (1,), generator=gen)) if varied else OUTPUT_LEN
+        )
+        prompt = torch.randint(10, vocab, (plen,), generator=gen).tolist()
+        out.append(Request(prompt, adapters[i % len(adapters)] if adapters else None, olen))
     return out
 
 
@@ -94,7 +122,9 @@ def _ms(v: float | None) -> float | None:
 # ---------------------------------------------------------------------------- lorafleet
 
 
-def run_lorafleet(model: Path, scenario: str, concurrencies: list[int], device: str) -> list[dict[str, Any]]:
+def run_lorafleet(
+    model: Path, scenario: str, concurrencies: list[int], device: str, workload: str = "uniform"
+) -> list[dict[str, Any]]:
     from lorafleet_worker.engine import Engine
     from lorafleet_worker.sampling import SamplingParams
 
@@ -107,7 +137,7 @@ def run_lorafleet(model: Path, scenario: str, concurrencies: list[int], device: 
         max_cpu_loras=max(64, len(plan)),
         max_lora_rank=64,
         max_num_seqs=max(concurrencies),
-        max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
+        max_model_len=MAX_MODEL_LEN,
     )
 
     async def main() -> list[dict[str, Any]]:
@@ -118,7 +148,7 @@ def run_lorafleet(model: Path, scenario: str, concurrencies: list[int], device: 
         results = []
         await one_pass(engine, SamplingParams, requests_for(1, names, engine.config.vocab_size)[:1], 1)  # warm-up
         for c in concurrencies:
-            reqs = requests_for(c, names, engine.config.vocab_size)
+            reqs = requests_for(c, names, engine.config.vocab_size, workload)
             res = await one_pass(engine, SamplingParams, reqs, c)
             log(f"lorafleet {scenario} c={c}: {res['output_tok_s']} tok/s")
             results.append(res)
@@ -128,10 +158,11 @@ def run_lorafleet(model: Path, scenario: str, concurrencies: list[int], device: 
     return asyncio.run(main())
 
 
-async def one_pass(engine: Any, params_cls: Any, reqs: list[tuple[list[int], str | None]], c: int) -> dict[str, Any]:
-    queue: asyncio.Queue[tuple[int, list[int], str | None]] = asyncio.Queue()
-    for i, (prompt, adapter) in enumerate(reqs):
-        queue.put_nowait((i, prompt, adapter))
+async def one_pass(engine: Any, params_cls: Any, reqs: list[Request], c: int) -> dict[str, Any]:
+    """`c` closed-loop clients send `reqs` to the engine (each sends its next one when one ends)."""
+    queue: asyncio.Queue[tuple[int, Request]] = asyncio.Queue()
+    for i, req in enumerate(reqs):
+        queue.put_nowait((i, req))
     ttfts: list[float] = []
     itls: list[float] = []
     tokens = 0
@@ -139,11 +170,11 @@ async def one_pass(engine: Any, params_cls: Any, reqs: list[tuple[list[int], str
     async def client() -> None:
         nonlocal tokens
         while not queue.empty():
-            i, prompt, adapter = queue.get_nowait()
-            params = params_cls(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
+            i, req = queue.get_nowait()
+            params = params_cls(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
             t0 = last = time.perf_counter()
             first = True
-            async for _ in engine.generate(f"r{c}-{i}-{t0}", prompt, params, adapter):
+            async for _ in engine.generate(f"r{c}-{i}-{t0}", req.prompt, params, req.adapter):
                 now = time.perf_counter()
                 (ttfts if first else itls).append(now - (t0 if first else last))
                 first, last = False, now
@@ -175,10 +206,12 @@ def load_peft(model: Path, plan: list[tuple[str, int]], device: str) -> Any:
     return hf
 
 
-def peft_generate(hf: Any, batch: list[tuple[list[int], str | None]], device: str) -> tuple[float, list[float]]:
+def peft_generate(hf: Any, batch: list[Request], device: str) -> tuple[float, list[float]]:
     """One static batch through `generate` (mixed adapters via `adapter_names` when `hf` is a PeftModel).
 
-    Returns the start time and the time of every decoding step (the first one ends the prefill).
+    Prompts are left-padded to the longest; the batch runs to its longest `max_tokens` (what a
+    transformers server does with a static batch). Returns the start time and the time of every
+    decoding step (the first one ends the prefill).
     """
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
@@ -191,18 +224,21 @@ def peft_generate(hf: Any, batch: list[tuple[list[int], str | None]], device: st
             self.times.append(time.perf_counter())
             return scores
 
-    ids = torch.tensor([p for p, _ in batch], device=device)
+    longest = max(len(r.prompt) for r in batch)
+    ids = torch.tensor([[0] * (longest - len(r.prompt)) + r.prompt for r in batch], device=device)
+    mask = torch.tensor([[0] * (longest - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=device)
+    steps = max(r.max_tokens for r in batch)
     clock = StepClock()
     kwargs: dict[str, Any] = {}
     if hasattr(hf, "peft_config"):
-        kwargs["adapter_names"] = [a or "__base__" for _, a in batch]
+        kwargs["adapter_names"] = [r.adapter or "__base__" for r in batch]
     t0 = time.perf_counter()
     with torch.no_grad():
         hf.generate(
             ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=OUTPUT_LEN,
-            min_new_tokens=OUTPUT_LEN,
+            attention_mask=mask,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
             do_sample=False,
             logits_processor=LogitsProcessorList([clock]),
             pad_token_id=0,
@@ -211,8 +247,12 @@ def peft_generate(hf: Any, batch: list[tuple[list[int], str | None]], device: st
     return t0, clock.times
 
 
-def peft_pass(hf: Any, reqs: list[tuple[list[int], str | None]], c: int, device: str) -> dict[str, Any]:
-    """The requests in static batches of `c` (what a transformers + PEFT server does)."""
+def peft_pass(hf: Any, reqs: list[Request], c: int, device: str) -> dict[str, Any]:
+    """The requests in static batches of `c` (what a transformers + PEFT server does).
+
+    A request counts only its own `max_tokens` tokens and latencies; the steps its batch runs
+    beyond them are the static batch's waste.
+    """
     ttfts: list[float] = []
     itls: list[float] = []
     tokens = 0
@@ -220,13 +260,17 @@ def peft_pass(hf: Any, reqs: list[tuple[list[int], str | None]], c: int, device:
     for i in range(0, len(reqs), c):
         batch = reqs[i : i + c]
         t0, times = peft_generate(hf, batch, device)
-        ttfts += [times[0] - t0] * len(batch)
-        itls += [b - a for a, b in itertools.pairwise(times)] * len(batch)
-        tokens += len(times) * len(batch)
+        for req in batch:
+            own = times[: req.max_tokens]
+            ttfts.append(own[0] - t0)
+            itls += [b - a for a, b in itertools.pairwise(own)]
+            tokens += len(own)
     return summarize(time.perf_counter() - start, ttfts, itls, tokens, c, len(reqs))
 
 
-def run_peft(model: Path, scenario: str, concurrencies: list[int], device: str) -> list[dict[str, Any]]:
+def run_peft(
+    model: Path, scenario: str, concurrencies: list[int], device: str, workload: str = "uniform"
+) -> list[dict[str, Any]]:
     plan = adapter_plan(SCENARIOS[scenario]["adapters"])
     hf = load_peft(model, plan, device)
     names = [n for n, _ in plan]
@@ -234,7 +278,7 @@ def run_peft(model: Path, scenario: str, concurrencies: list[int], device: str) 
     peft_generate(hf, requests_for(1, names, vocab)[:1], device)  # warm-up
     results = []
     for c in concurrencies:
-        res = peft_pass(hf, requests_for(c, names, vocab), c, device)
+        res = peft_pass(hf, requests_for(c, names, vocab, workload), c, device)
         log(f"peft {scenario} c={c}: {res['output_tok_s']} tok/s")
         results.append(res)
     return results
@@ -243,15 +287,16 @@ def run_peft(model: Path, scenario: str, concurrencies: list[int], device: str) 
 # ---------------------------------------------------------------------------- interleaved A/B
 
 
-AB_SYSTEMS = ("lorafleet/base", "lorafleet/mixed16", "peft/base")
+AB_SYSTEMS = ("lorafleet/base", "lorafleet/mixed16", "peft/base", "peft/mixed16")
 
 
 def run_ab(model: Path, concurrencies: list[int], rounds: int, device: str) -> dict[str, Any]:
-    """lorafleet base, lorafleet mixed16 and transformers base in ONE process, pass after pass.
+    """lorafleet and transformers (+ PEFT), base and mixed16, in ONE process, pass after pass.
 
-    On a shared, noisy machine the three see the same load: each round runs every (system,
+    On a shared, noisy machine all four see the same load: each round runs every (system,
     concurrency) once, and the ratios use the best pass of each. One Engine serves both
-    lorafleet scenarios (base requests carry no adapter).
+    lorafleet scenarios (base requests carry no adapter); the peer is a plain transformers model
+    for base and a second copy wrapped by PEFT with the 16 adapters for mixed16.
     """
     from lorafleet_worker.engine import Engine
     from lorafleet_worker.sampling import SamplingParams
@@ -259,8 +304,9 @@ def run_ab(model: Path, concurrencies: list[int], rounds: int, device: str) -> d
     plan = adapter_plan(SCENARIOS["mixed16"]["adapters"])
     names = [n for n, _ in plan]
     engine = Engine(model, device=device, max_loras=16, max_cpu_loras=64, max_lora_rank=64,
-                    max_num_seqs=max(concurrencies), max_model_len=PROMPT_LEN + OUTPUT_LEN + 16)  # fmt: skip
+                    max_num_seqs=max(concurrencies), max_model_len=MAX_MODEL_LEN)  # fmt: skip
     hf = load_peft(model, [], device)
+    peft_hf = load_peft(model, plan, device)
     vocab = engine.config.vocab_size
     passes: dict[str, list[dict[str, Any]]] = {f"{k}@{c}": [] for k in AB_SYSTEMS for c in concurrencies}
 
@@ -270,6 +316,7 @@ def run_ab(model: Path, concurrencies: list[int], rounds: int, device: str) -> d
             await engine.add_adapter(name, bench_adapter(model, int(name[1:]), rank))
         await one_pass(engine, SamplingParams, requests_for(1, names, vocab)[:1], 1)
         peft_generate(hf, requests_for(1, [], vocab)[:1], device)
+        peft_generate(peft_hf, requests_for(1, names, vocab)[:1], device)
         for r in range(rounds):
             for c in concurrencies:
                 for key in AB_SYSTEMS:
@@ -277,7 +324,7 @@ def run_ab(model: Path, concurrencies: list[int], rounds: int, device: str) -> d
                     if key.startswith("lorafleet"):
                         res = await one_pass(engine, SamplingParams, reqs, c)
                     else:
-                        res = peft_pass(hf, reqs, c, device)
+                        res = peft_pass(hf if key.endswith("base") else peft_hf, reqs, c, device)
                     res["loadavg_1m"] = round(os.getloadavg()[0], 2)
                     passes[f"{key}@{c}"].append(res)
                     log(f"A/B round {r + 1}: {key} c={c}: {res['output_tok_s']} tok/s")
@@ -294,6 +341,9 @@ def run_ab(model: Path, concurrencies: list[int], rounds: int, device: str) -> d
             "lorafleet_base_vs_peft_base": ratio(
                 best[f"lorafleet/base@{c}"]["output_tok_s"], best[f"peft/base@{c}"]["output_tok_s"]
             ),
+            "lorafleet_mixed16_vs_peft_mixed16": ratio(
+                best[f"lorafleet/mixed16@{c}"]["output_tok_s"], best[f"peft/mixed16@{c}"]["output_tok_s"]
+            ),
         }
         for c in concurrencies
     ]
@@ -306,7 +356,7 @@ def run_ab(model: Path, concurrencies: list[int], rounds: int, device: str) -> d
 def child(args: argparse.Namespace) -> None:
     model = bench_model()
     runner = run_lorafleet if args.system == "lorafleet" else run_peft
-    results = runner(model, args.scenario, args.concurrency, args.device)
+    results = runner(model, args.scenario, args.concurrency, args.device, args.workload)
     print(json.dumps({"results": results, "peak_rss_mib": round(peak_rss_mib(), 1)}))
 
 
@@ -321,6 +371,7 @@ def main() -> None:
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     ap.add_argument("--systems", nargs="+", default=["lorafleet", "peft"], choices=["lorafleet", "peft"])
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--workload", default="uniform", choices=WORKLOADS, help="see the module docstring")
     ap.add_argument("--merge", action="store_true", help="keep the runs already in bench/engine.json")
     ap.add_argument("--ab", type=int, metavar="ROUNDS", help="interleaved A/B in one process (bench/engine_ab.json)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -341,13 +392,14 @@ def main() -> None:
     model = bench_model()
     for name, rank in adapter_plan(max(SCENARIOS[s]["adapters"] for s in args.scenarios)):
         bench_adapter(model, int(name[1:]), rank)
-    previous = read_json("engine") if args.merge else None
+    out_name = "engine" if args.workload == "uniform" else f"engine_{args.workload}"
+    previous = read_json(out_name) if args.merge else None
     runs: dict[str, dict[str, Any]] = dict(previous["runs"]) if previous else {}
     for scenario in args.scenarios:  # both systems back to back: they see the same machine load
         for system in args.systems:
             log(f"running {system} / {scenario} at concurrency {args.concurrency}")
             cmd = [sys.executable, __file__, "--child", "--system", system, "--scenario", scenario, "--device",
-                   args.device, "--concurrency", *map(str, args.concurrency)]  # fmt: skip
+                   args.device, "--workload", args.workload, "--concurrency", *map(str, args.concurrency)]  # fmt: skip
             t0 = time.time()
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
             run = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -355,7 +407,16 @@ def main() -> None:
             run["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
             runs[f"{system}/{scenario}"] = run
             model_info = {"path": str(model), "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN}
-            write_json("engine", {"machine": machine(), "model": model_info, "runs": runs, "ratios": ratios(runs)})
+            write_json(
+                out_name,
+                {
+                    "workload": args.workload,
+                    "machine": machine(),
+                    "model": model_info,
+                    "runs": runs,
+                    "ratios": ratios(runs),
+                },
+            )
 
 
 def ratios(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

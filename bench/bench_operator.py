@@ -88,6 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 50, 200])
     ap.add_argument("--workers", type=int, default=5)
+    ap.add_argument("--operator-log", type=Path, metavar="FILE", help="save the operator pod's log here at the end")
     args = ap.parse_args()
 
     from tests.e2e import test_operator_flows as e2e
@@ -112,6 +113,10 @@ def main() -> None:
                 results.append({"models": n, "workers": args.workers, "seconds": round(seconds, 2)})
             write_json("operator", {"machine": machine(), "results": results})
         finally:
+            if args.operator_log:
+                pods = stack.pods("operator")
+                args.operator_log.write_text(cluster.logs(ns, pods[0]["metadata"]["name"]) if pods else "")
+                log(f"operator log: {args.operator_log}")
             cluster.kubectl("delete", "dynamomodels", "--all", "-n", ns, "--wait=false", check=False)
             cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 

@@ -66,6 +66,9 @@ def test_batch_info_groups_tokens_stably() -> None:
     assert info.seg_slots.tolist() == [0, 1, 2]
     assert info.seg_indptr.tolist() == [2, 4, 5, 8]
     assert info.segments == ((0, 2, 4), (1, 4, 5), (2, 5, 8))
+    assert info.segment_rows == (-1, 6, -1)  # only slot 1's tokens are consecutive rows
+    prefills = build_batch_info(torch.tensor([1, 1, 1, 0, 0, -1], dtype=torch.int32))
+    assert prefills.segments == ((0, 1, 3), (1, 3, 6)) and prefills.segment_rows == (3, 0)
     assert (info.max_seg_len, info.num_tokens, info.has_lora) == (3, 8, True)
     assert info.sorted_token_ids.dtype == info.seg_indptr.dtype == info.seg_slots.dtype == torch.int32
 

@@ -172,3 +172,25 @@ def test_finish_releases_blocks_and_adapter_refs(config: ModelConfig, manager: A
     sched.finish(s, "abort")  # idempotent
     assert sched.kv.allocator.num_free == 64 and manager.stats["slots_pinned"] == 0
     assert s.status is SeqStatus.FINISHED and s.finish_reason == "abort" and not sched.has_work()
+
+
+def test_decodes_are_grouped_by_lora_slot(config: ModelConfig, tiny_models: Any, tiny_adapter_factory: Any) -> None:
+    """Each adapter's decode tokens are consecutive rows, so the LoRA backends update them in place."""
+    from lorafleet_worker.lora.batch import build_batch_info
+
+    m = AdapterManager(config, max_loras=2, max_cpu_loras=4, max_lora_rank=64, device=CPU)
+    m.load("a", tiny_adapter_factory(tiny_models["llama"], rank=4, seed=1))
+    m.load("b", tiny_adapter_factory(tiny_models["llama"], rank=8, seed=2))
+    sched = make_scheduler(config, m, max_loras=2)
+    arrivals = [seq("a0", manager=m, adapter="a"), seq("b0", manager=m, adapter="b"), seq("base0"),
+                seq("a1", manager=m, adapter="a"), seq("b1", manager=m, adapter="b")]  # fmt: skip
+    for s in arrivals:
+        sched.add(s)
+    advance(sched.schedule())  # the five prefills
+    plan = sched.schedule()
+    assert plan.num_decode == 5
+    slots = [c.seq.slot for c in plan.chunks]
+    assert slots == sorted(slots) and len(set(slots)) == 3  # base, a's slot, b's slot
+    assert names(plan)[0] == "base0"
+    info = build_batch_info(torch.tensor(slots, dtype=torch.int32))
+    assert len(info.segments) == 2 and all(row >= 0 for row in info.segment_rows)

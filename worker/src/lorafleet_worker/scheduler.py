@@ -171,7 +171,9 @@ class Scheduler:
             budget -= n
         if self.num_preemptions == preemptions:  # memory is short when running sequences were preempted
             self._admit(chunks, budget, {c.seq.slot for c in chunks if c.seq.slot >= 0})
-        chunks.sort(key=lambda c: c.num_tokens != 1)  # stable: decode tokens first
+        # decode tokens first, grouped by LoRA slot: each adapter's decodes are then consecutive rows,
+        # which the LoRA backends update in place (no gather/scatter); prefill chunks keep their order
+        chunks.sort(key=lambda c: (c.num_tokens != 1, c.seq.slot if c.num_tokens == 1 else 0))
         return StepPlan(chunks, sum(1 for c in chunks if c.num_tokens == 1))
 
     def _reserve(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:

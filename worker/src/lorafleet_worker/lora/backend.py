@@ -78,23 +78,42 @@ class TorchLoRABackend:
 
     def _apply(self, x: Tensor, out: Tensor, w: LoRAProjWeights, batch: LoRABatchInfo) -> None:
         ranks, scalings = w.host_meta()
-        offs = w.slice_offsets
-        # Base-only tokens sort first; the adapted ones follow, grouped by slot. Gather them once,
-        # accumulate every segment's update into one contiguous buffer, scatter whole rows once.
-        # Per slice: one mm (shrink) and one in-place addmm_ into a strided view of the buffer,
-        # with the scaling as addmm_'s alpha: no temporaries, no separate multiply or copy.
-        first = batch.segments[0][1]
-        order = batch.sorted_token_ids[first:].long()
+        in_place = out.dtype == x.dtype
+        # A segment whose tokens are consecutive rows (a prefill chunk) is read and updated in
+        # place. The others (decodes of one adapter spread over the batch) are gathered once into
+        # one buffer, updated there, and scattered back with one index_add_.
+        scattered = [
+            (seg, row) for seg, row in zip(batch.segments, batch.segment_rows, strict=True) if row < 0 or not in_place
+        ]
+        for (slot, start, end), row in zip(batch.segments, batch.segment_rows, strict=True):
+            if row >= 0 and in_place:
+                n = end - start
+                self._segment(x[row : row + n], out[row : row + n], w, slot, ranks[slot], scalings[slot])
+        if not scattered:
+            return
+        ids = batch.sorted_token_ids
+        order = torch.cat([ids[start:end] for (_, start, end), _ in scattered]).long()
         xs = x.index_select(0, order)
         delta = x.new_zeros(xs.shape[0], out.shape[1])
-        for slot, start, end in batch.segments:
-            x_seg, d_seg = xs[start - first : end - first], delta[start - first : end - first]
-            a_slot, b_slot = _as(w.A[slot], x.dtype), _as(w.B[slot], x.dtype)
-            for s, (r, scaling) in enumerate(zip(ranks[slot], scalings[slot], strict=True)):
-                if r:
-                    shrunk = torch.mm(x_seg, a_slot[s, :r].t())
-                    d_seg[:, offs[s] : offs[s + 1]].addmm_(shrunk, b_slot[offs[s] : offs[s + 1], :r].t(), alpha=scaling)
+        lo = 0
+        for (slot, start, end), _ in scattered:
+            hi = lo + end - start
+            self._segment(xs[lo:hi], delta[lo:hi], w, slot, ranks[slot], scalings[slot])
+            lo = hi
         out.index_add_(0, order, delta.to(out.dtype))
+
+    @staticmethod
+    def _segment(
+        x: Tensor, out: Tensor, w: LoRAProjWeights, slot: int, ranks: list[int], scalings: list[float]
+    ) -> None:
+        """out += every slice's scaling * (x @ A_sᵀ) @ B_sᵀ for one adapter: per slice one mm and one
+        in-place addmm_ (scaling as its alpha) into a strided view of `out`: no temporaries."""
+        offs = w.slice_offsets
+        a_slot, b_slot = _as(w.A[slot], x.dtype), _as(w.B[slot], x.dtype)
+        for s, (r, scaling) in enumerate(zip(ranks, scalings, strict=True)):
+            if r:
+                shrunk = torch.mm(x, a_slot[s, :r].t())
+                out[:, offs[s] : offs[s + 1]].addmm_(shrunk, b_slot[offs[s] : offs[s + 1], :r].t(), alpha=scaling)
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:

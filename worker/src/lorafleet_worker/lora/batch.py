@@ -14,7 +14,10 @@ class LoRABatchInfo:
 
     Tokens without adapter (slot -1) sort first and get no segment, so `seg_indptr[0]` is
     the number of such tokens; segment i is `sorted_token_ids[seg_indptr[i]:seg_indptr[i+1]]`.
-    `segments` repeats the segments host-side as `(slot, start, end)` for host loops.
+    `segments` repeats the segments host-side as `(slot, start, end)` for host loops;
+    `segment_rows[i]` is the first row of segment i in the unsorted batch when its tokens are
+    consecutive rows there (a prefill chunk, or decodes the scheduler placed side by side), else -1:
+    such a segment can be read and updated in place, without a gather and a scatter.
     """
 
     token_slots: Tensor  # int32 [T], -1 = no adapter
@@ -25,6 +28,7 @@ class LoRABatchInfo:
     num_tokens: int
     has_lora: bool
     segments: tuple[tuple[int, int, int], ...] = ()
+    segment_rows: tuple[int, ...] = ()
 
 
 def build_batch_info(token_slots: Tensor) -> LoRABatchInfo:
@@ -38,10 +42,14 @@ def build_batch_info(token_slots: Tensor) -> LoRABatchInfo:
     order = torch.sort(slots, stable=True).indices.to(torch.int32)
     uniq, counts = torch.unique_consecutive(slots[order.long()], return_counts=True)
     segments: list[tuple[int, int, int]] = []
+    rows: list[int] = []
+    ids = order.tolist()
     start = 0
     for slot, count in zip(uniq.tolist(), counts.tolist(), strict=True):
         if slot >= 0:
             segments.append((slot, start, start + count))
+            # stable sort: a segment's ids ascend, so they are consecutive iff last - first == count - 1
+            rows.append(ids[start] if ids[start + count - 1] - ids[start] == count - 1 else -1)
         start += count
     indptr = [segments[0][1], *(end for _, _, end in segments)] if segments else [0]
     return LoRABatchInfo(
@@ -53,4 +61,5 @@ def build_batch_info(token_slots: Tensor) -> LoRABatchInfo:
         num_tokens=int(slots.numel()),
         has_lora=bool(segments),
         segments=tuple(segments),
+        segment_rows=tuple(rows),
     )
