@@ -110,6 +110,16 @@ def main() -> None:
     lines += engine_section(varied, "engine_varied") if varied else []
     for path in sorted(results_dir().glob("engine_ab*.json")):  # `--ab` runs (copies kept under other names)
         lines += ab_section(json.loads(path.read_text()), path.name)
+    micro = read_json("micro_lora")
+    if micro:
+        lines += ["## LoRA backend micro-benchmark (`micro_lora.py`)", "", machine_line(micro["machine"]), ""]
+        ms = micro["ms_per_step"]
+        lines += [
+            f"One mixed16 decode step: {micro['tokens']} tokens over {micro['adapters']} adapters, all layers.",
+            "",
+        ]
+        lines += [table(["torch backend ms", "matmul-only floor ms", "base GEMMs ms"],
+                        [[ms["backend"], ms["mm-only"], ms["base"]]]), ""]  # fmt: skip
     loading = read_json("loading")
     lines += ["## Adapter loading", ""]
     if loading:

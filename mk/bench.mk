@@ -1,12 +1,12 @@
 # Benchmarks (issue 8): they report, they never fail CI. Results go to bench/*.json, bench/REPORT.md, PNGs.
 # LORAFLEET_BENCH_SMOKE=1 runs any of them on a ~1M-parameter model and writes to bench/smoke/ instead.
 # BENCH_ENGINE_ARGS narrows the engine run, e.g. BENCH_ENGINE_ARGS="--concurrency 1 8 32 --scenarios base mixed16".
-.PHONY: bench bench-engine bench-loading bench-placement bench-operator bench-report bench-profile bench-smoke
+.PHONY: bench bench-engine bench-loading bench-placement bench-operator bench-report bench-profile bench-micro bench-smoke
 
 BENCH_ENGINE_ARGS ?=
 BENCH_PROFILE_ARGS ?= --scenario mixed16 --concurrency 32
 
-bench: setup bench-placement bench-loading bench-engine bench-operator bench-report  ## run every benchmark, write bench/REPORT.md
+bench: setup bench-placement bench-loading bench-micro bench-engine bench-operator bench-report  ## run every benchmark, write bench/REPORT.md
 
 bench-engine: setup-python  ## lorafleet vs transformers+PEFT (concurrency 1/8/32/64)
 	$(PY) bench/bench_engine.py $(BENCH_ENGINE_ARGS)
@@ -25,6 +25,9 @@ bench-report: setup-python  ## bench/REPORT.md and plots from the JSON results
 
 bench-profile: setup-python  ## where a lorafleet engine step spends its time (BENCH_PROFILE_ARGS)
 	$(PY) bench/profile_engine.py $(BENCH_PROFILE_ARGS) --torch-profile
+
+bench-micro: setup-python  ## the torch LoRA backend on one mixed16 decode step vs its matmul-only floor
+	$(PY) bench/micro_lora.py
 
 bench-smoke: setup  ## every benchmark on a tiny model, results in bench/smoke/ (checks the scripts)
 	LORAFLEET_BENCH_SMOKE=1 $(PY) bench/bench_placement.py --adapters 200 --pods 20
