@@ -594,6 +594,9 @@ def test_operator_and_router_logged_no_unhandled_errors(stack: Stack) -> None:
             log = stack.cluster.logs(stack.ns, pod["metadata"]["name"])
             assert log, f"no log captured for {app}"
             assert "Traceback" not in log, log[-3000:]
+            # least-privilege RBAC has no cluster-scoped reads: kopf must not try (it retried each
+            # 403 for ~54 s before watching anything, so the first model waited a minute)
+            assert "APIForbiddenError" not in log, log[:3000]
 
 
 def test_operator_liveness_and_metrics_endpoints(stack: Stack) -> None:

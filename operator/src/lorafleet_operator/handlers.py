@@ -222,6 +222,12 @@ async def _configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any)
     )
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    # No cluster scanning: kopf would list/watch Namespaces and CRDs (cluster-scoped reads that the
+    # least-privilege RBAC does not grant) and retry each 403 with backoff for ~54 s before
+    # starting any watch, so the first DynamoModel after an install waited a minute. The watched
+    # namespaces are explicit and the CRD is installed before the operator (Helm's crds/), so a
+    # static setup loses nothing; a CRD installed after the operator needs an operator restart.
+    settings.scanning.disabled = True
     runtime = _runtime(memo)
     await prime_pods(memo["kube"], runtime)
     runtime.start()
