@@ -51,8 +51,9 @@ class LoRABackend(Protocol):
 
 
 class TorchLoRABackend:
-    """Per-adapter grouped matmuls: each adapter's tokens are gathered once and multiplied
-    by that adapter's own rank-r matrices (no per-token weight gather, no max-rank compute)."""
+    """Per-adapter grouped matmuls: each adapter's tokens (consecutive rows in place, others
+    gathered once) are multiplied by that adapter's own rank-r matrices (no per-token weight
+    gather, no max-rank compute). `bench/micro_lora.py` times it against its matmul-only floor."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -68,7 +69,7 @@ class TorchLoRABackend:
             return
         # On CPU the per-adapter matmuls are tiny (a few tokens x rank): splitting each across OpenMP
         # threads costs more than it saves, and a busy host that deschedules one thread stalls every
-        # op. Running them on one thread made a 16-adapter decode step 1.66x faster (bench/README.md).
+        # op. On one thread, mixed16 at concurrency 32 went from 42.9 to 71.0 tok/s (bench, 2 cores).
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -82,21 +83,21 @@ class TorchLoRABackend:
         # A segment whose tokens are consecutive rows (a prefill chunk) is read and updated in
         # place. The others (decodes of one adapter spread over the batch) are gathered once into
         # one buffer, updated there, and scattered back with one index_add_.
-        scattered = [
-            (seg, row) for seg, row in zip(batch.segments, batch.segment_rows, strict=True) if row < 0 or not in_place
-        ]
+        scattered: list[tuple[int, int, int]] = []
         for (slot, start, end), row in zip(batch.segments, batch.segment_rows, strict=True):
             if row >= 0 and in_place:
                 n = end - start
                 self._segment(x[row : row + n], out[row : row + n], w, slot, ranks[slot], scalings[slot])
+            else:
+                scattered.append((slot, start, end))
         if not scattered:
             return
         ids = batch.sorted_token_ids
-        order = torch.cat([ids[start:end] for (_, start, end), _ in scattered]).long()
+        order = torch.cat([ids[start:end] for _, start, end in scattered]).long()
         xs = x.index_select(0, order)
         delta = x.new_zeros(xs.shape[0], out.shape[1])
         lo = 0
-        for (slot, start, end), _ in scattered:
+        for slot, start, end in scattered:
             hi = lo + end - start
             self._segment(xs[lo:hi], delta[lo:hi], w, slot, ranks[slot], scalings[slot])
             lo = hi
