@@ -36,8 +36,8 @@ lint: setup-python  ## ruff and mypy
 	$(VENV)/bin/mypy
 
 fmt: setup-python  ## format the code
-	$(VENV)/bin/ruff format worker operator jobs tests
-	$(VENV)/bin/ruff check --fix worker operator jobs tests
+	$(VENV)/bin/ruff format worker operator jobs tests bench
+	$(VENV)/bin/ruff check --fix worker operator jobs tests bench
 
 clean:  ## remove the venv and build outputs (the cache outside the repo stays)
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
