@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from lorafleet_worker.protocol import APIError, check_lora_name
 from lorafleet_worker.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -57,16 +57,23 @@ def test_incremental_detokenization_equals_full_decode(tokenizers: tuple[Tokeniz
     stops=st.lists(st.text(alphabet="abcxy", min_size=1, max_size=4), min_size=1, max_size=3),
     cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=8),
 )
+@example(text="baa", stops=["a", "baa"], cuts=[])  # "a" completes first although "baa" starts first
+@example(text="ba", stops=["a", "ba"], cuts=[])  # both complete together: the longer one wins
 def test_stop_strings_in_any_chunking(text: str, stops: list[str], cuts: list[int]) -> None:
-    """Whatever the chunking, the output is the text up to the first stop string (never including it)."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    expected = text[: min(hits)] if hits else text
+    """Whatever the chunking, the output is the text before the stop string that completes first,
+    as if it had been generated one character at a time (the stop string is never included)."""
+    expected, hit = text, False
+    for n in range(1, len(text) + 1):  # the reference: check after every character
+        starts = [n - len(s) for s in stops if text[:n].endswith(s)]
+        if starts:
+            expected, hit = text[: min(starts)], True
+            break
     matcher = StopStringMatcher(stops)
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     out = "".join(matcher.feed(text[a:b]) for a, b in itertools.pairwise(bounds))
     out += matcher.flush()
     assert out == expected
-    assert matcher.stopped == bool(hits)
+    assert matcher.stopped == hit
 
 
 @pytest.mark.parametrize("name", ["a", "org/repo", "my_adapter-v1.2", "x" * 128])

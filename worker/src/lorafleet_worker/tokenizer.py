@@ -187,6 +187,17 @@ class IncrementalDetokenizer:
         return text[len(prefix) :] if len(text) > len(prefix) else ""
 
 
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where `text` must be cut for the stop string that completes first (None: no stop in it).
+
+    Generation stops as soon as a stop string is complete (vLLM checks after every token), so
+    the winner is the occurrence that ENDS first; of those ending together, the longest. This
+    makes the result independent of how the text was streamed in chunks.
+    """
+    found = [(i + len(s), i) for s in stops if s and (i := text.find(s)) >= 0]
+    return min(found)[1] if found else None
+
+
 class StopStringMatcher:
     """Finds stop strings in streamed text; text that may begin a stop string is held back."""
 
@@ -203,10 +214,10 @@ class StopStringMatcher:
         if not self._stops:
             out, self._pending = self._pending, ""
             return out
-        hits = [i for i in (self._pending.find(s) for s in self._stops) if i >= 0]
-        if hits:
+        start = first_stop(self._pending, self._stops)
+        if start is not None:
             self.stopped = True
-            out, self._pending = self._pending[: min(hits)], ""
+            out, self._pending = self._pending[:start], ""
             return out
         hold = self._held_suffix()
         cut = len(self._pending) - hold
