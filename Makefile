@@ -6,22 +6,24 @@ PY := $(VENV)/bin/python
 # Builds and downloads are cached outside the repository, keyed by version.
 export LORAFLEET_CACHE ?= $(HOME)/.cache/lorafleet
 PYTEST_ARGS ?=
+# Python code that lint/fmt cover.
+PY_DIRS := worker operator jobs devcluster tests bench demo
 
 .PHONY: help setup setup-python test test-unit lint demo bench fmt clean
 
 help:  ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-14s %s\n", $$1, $$2}'
 
-# Python side: a venv with the three projects (editable) and pinned dev tools.
-PY_STAMP := $(VENV)/.lorafleet-setup-$(shell cat constraints.txt requirements-dev.txt worker/pyproject.toml operator/pyproject.toml jobs/pyproject.toml | sha256sum | cut -c1-16)
+# Python side: a venv with the three shipped projects and the dev cluster (editable) and pinned dev tools.
+PY_STAMP := $(VENV)/.lorafleet-setup-$(shell cat constraints.txt requirements-dev.txt worker/pyproject.toml operator/pyproject.toml jobs/pyproject.toml devcluster/pyproject.toml | sha256sum | cut -c1-16)
 
 setup-python: $(PY_STAMP)
-$(PY_STAMP): constraints.txt requirements-dev.txt worker/pyproject.toml operator/pyproject.toml jobs/pyproject.toml
+$(PY_STAMP): constraints.txt requirements-dev.txt worker/pyproject.toml operator/pyproject.toml jobs/pyproject.toml devcluster/pyproject.toml
 	@echo "==> creating $(VENV) and installing pinned Python dependencies (torch is ~3 GB on first run)"
 	@test -x $(VENV)/bin/pip || python3 -m venv --clear $(VENV)
 	@$(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt uv
 	@UV_CACHE_DIR=$(LORAFLEET_CACHE)/uv $(VENV)/bin/uv pip install --python $(PY) -c constraints.txt \
-		-e ./jobs -e ./operator -e './worker[dev]' -r requirements-dev.txt
+		-e ./jobs -e ./operator -e './worker[dev]' -e ./devcluster -r requirements-dev.txt
 	@rm -f $(VENV)/.lorafleet-setup-*; touch $@
 	@echo "==> Python environment ready"
 
@@ -31,13 +33,13 @@ test: setup  ## run every test (unit, integration, e2e)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 lint: setup-python  ## ruff and mypy
-	$(VENV)/bin/ruff check worker operator jobs tests bench
-	$(VENV)/bin/ruff format --check worker operator jobs tests bench
+	$(VENV)/bin/ruff check $(PY_DIRS)
+	$(VENV)/bin/ruff format --check $(PY_DIRS)
 	$(VENV)/bin/mypy
 
 fmt: setup-python  ## format the code
-	$(VENV)/bin/ruff format worker operator jobs tests bench
-	$(VENV)/bin/ruff check --fix worker operator jobs tests bench
+	$(VENV)/bin/ruff format $(PY_DIRS)
+	$(VENV)/bin/ruff check --fix $(PY_DIRS)
 
 clean:  ## remove the venv and build outputs (the cache outside the repo stays)
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -39,11 +39,10 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
+    from lorafleet_devcluster.minio import MinioServer
     from lorafleet_sync.sources import AdapterSources
     from lorafleet_worker.config import ModelConfig
     from lorafleet_worker.lora.manager import AdapterManager
-
-    from tests.infra.minio import MinioServer
 
     model = bench_model()
     config = ModelConfig.from_dir(model)

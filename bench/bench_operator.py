@@ -1,8 +1,9 @@
 """Operator benchmark: time from `kubectl apply` to all Ready for 1, 50 and 200 DynamoModels on 5 workers.
 
-Runs on the local control plane of the e2e tests (`tests.infra.session.shared_cluster()`: API
+Runs on the local control plane of the e2e tests (`lorafleet_devcluster.session.shared_cluster()`: API
 server + node agent; `LORAFLEET_E2E_CLUSTER=kubeconfig` uses the current kubeconfig instead),
-with the e2e suite's manifests: 5 worker pods (`lorafleet/worker:dev`, a tiny llama) and the
+with the plain manifests of the operator e2e tests (`lorafleet_devcluster.rawstack`): 5 worker
+pods (`lorafleet/worker:dev`, a tiny llama) and the
 operator pod. Adapters come from `file://` (no object store in the path being timed). "Ready"
 means what the e2e tests check: every DynamoModel of the batch is phase Ready, on exactly its
 HRW placement over the Ready workers, and each of those workers lists the adapter.
@@ -37,10 +38,9 @@ def worker_command(model_dir: Path, base: str) -> list[str]:
 
 def deploy(stack: Any, model_dir: Path, adapters_root: Path, workers: int) -> None:
     """Worker Deployment + operator (its RBAC) in the stack's namespace; waits until all are Ready."""
+    from lorafleet_devcluster import rawstack as e2e
+    from lorafleet_devcluster.cluster import wait_until
     from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
-
-    from tests.e2e import test_operator_flows as e2e
-    from tests.infra.cluster import wait_until
 
     worker = e2e.deployment(
         "workers",
@@ -61,13 +61,13 @@ def deploy(stack: Any, model_dir: Path, adapters_root: Path, workers: int) -> No
     )
     stack.apply(*e2e.rbac("lorafleet-operator", e2e.OPERATOR_RULES))
     stack.apply(worker, operator)
-    wait_until(lambda: any(e2e._ready(p) for p in stack.pods("operator")), 300, "operator pod Ready")
+    wait_until(lambda: any(e2e.pod_ready(p) for p in stack.pods("operator")), 300, "operator pod Ready")
     wait_until(lambda: len(stack.ready_workers()) == workers, READY_S, f"{workers} Ready workers")
 
 
 def time_batch(stack: Any, n: int, adapters: list[Path]) -> float:
     """Seconds from `kubectl apply` of `n` DynamoModels to all of them converged; then deletes them."""
-    from tests.infra.cluster import wait_until
+    from lorafleet_devcluster.cluster import wait_until
 
     label = {"bench-batch": str(n)}
     names = [f"b{n}-{i:03d}" for i in range(n)]
@@ -91,9 +91,8 @@ def main() -> None:
     ap.add_argument("--operator-log", type=Path, metavar="FILE", help="save the operator pod's log here at the end")
     args = ap.parse_args()
 
-    from tests.e2e import test_operator_flows as e2e
-    from tests.e2e.test_operator_crd import install_crd
-    from tests.infra.session import shared_cluster
+    from lorafleet_devcluster.rawstack import RawStack, install_crd
+    from lorafleet_devcluster.session import shared_cluster
 
     model_dir = bench_model("op-tiny-llama", **SMOKE_MODEL)
     adapters = [bench_adapter(model_dir, i, rank=8) for i in range(NUM_ADAPTER_DIRS)]
@@ -101,7 +100,7 @@ def main() -> None:
         install_crd(cluster)
         ns = cluster.new_namespace("bench")
         # no object store / hub: file:// sources only
-        stack = e2e.Stack(cluster, ns, minio=None, hub=None, adapters={}, hf_sha="")  # type: ignore[arg-type]
+        stack = RawStack(cluster, ns)
         try:
             t0 = time.perf_counter()
             deploy(stack, model_dir, adapters[0].parent, args.workers)

@@ -45,7 +45,7 @@ def missing_parts() -> list[str]:
     """What the full demo needs that is not there yet."""
     missing = []
     try:
-        from tests.infra.cluster import tool_path
+        from lorafleet_devcluster.cluster import tool_path
 
         for tool in ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl", "helm"):
             try:
@@ -54,7 +54,7 @@ def missing_parts() -> list[str]:
                 missing.append(f"{tool} (make setup builds it)")
     except ImportError as exc:
         missing.append(f"the local control plane ({exc})")
-    for module in ("lorafleet_operator.handlers", "lorafleet_operator.router", "tests.infra.nodeagent"):
+    for module in ("lorafleet_operator.handlers", "lorafleet_operator.router", "lorafleet_devcluster.nodeagent"):
         try:
             __import__(module)
         except ImportError as exc:
@@ -71,9 +71,8 @@ def fallback(missing: list[str]) -> int:
 @contextlib.contextmanager
 def adapters_and_hub(workdir: Path) -> Iterator[tuple[dict[str, Path], str]]:
     """Tiny base model + one adapter per DynamoModel; the hf:// one is served by a local Hub."""
+    from lorafleet_devcluster.hfhub import LocalHub
     from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
-
-    from tests.infra.hfhub import LocalHub
 
     say("generating a tiny qwen3 base model and 4 LoRA adapters (real PEFT files)")
     base = make_tiny_model(workdir / "base", "qwen3")
@@ -88,7 +87,7 @@ def adapters_and_hub(workdir: Path) -> Iterator[tuple[dict[str, Path], str]]:
 
 
 def wait_for_interrupt(namespace: str, router: str, kubeconfig: Path) -> None:
-    from tests.infra.cluster import tool_path
+    from lorafleet_devcluster.cluster import tool_path
 
     print(
         "\nDEMO_KEEP=1: everything stays up until Ctrl-C. From another shell:\n"
@@ -113,8 +112,8 @@ def wait_for_interrupt(namespace: str, router: str, kubeconfig: Path) -> None:
 
 
 def run() -> int:
-    from tests.delivery.stack import BASE_MODEL, Release, default_values, wait_for
-    from tests.infra.session import shared_cluster
+    from lorafleet_devcluster.session import shared_cluster
+    from lorafleet_devcluster.stack import BASE_MODEL, Release, default_values, wait_for
 
     keep = os.environ.get("DEMO_KEEP", "") not in ("", "0")
     workdir = Path(tempfile.mkdtemp(prefix="lorafleet-demo-"))

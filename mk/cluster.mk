@@ -12,10 +12,10 @@ go-tools:  ## build kube-apiserver, controller-manager, kubectl, etcd, helm from
 setup: go-tools
 
 cluster-up: setup  ## start the local control plane + node agent in the background (prints the kubeconfig)
-	@$(PY) -m tests.infra.cluster up
+	@$(VENV)/bin/lorafleet-devcluster up
 
 cluster-down:  ## stop what cluster-up started
-	@$(PY) -m tests.infra.cluster down
+	@$(VENV)/bin/lorafleet-devcluster down
 
 e2e: setup  ## run the e2e suite on a local control plane (no Docker needed)
 	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)

@@ -1,7 +1,7 @@
 # Delivery (issue 7): `make demo`, the kustomize manifests generated from the Helm chart, chart lint.
 .PHONY: demo manifests chart-lint
 
-HELM_BIN = $(shell $(PY) -c 'from tests.infra.cluster import tool_path; print(tool_path("helm"))')
+HELM_BIN = $(shell $(PY) -c 'from lorafleet_devcluster.cluster import tool_path; print(tool_path("helm"))')
 
 demo: setup  ## whole system on this machine: control plane, MinIO, chart, adapters, requests (DEMO_KEEP=1 stays up)
 	$(PY) -m demo.run_demo

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from lorafleet_devcluster.cluster import tool_path
 
 from tests.delivery.helm import ROOT, Doc, env_of, find, one
-from tests.infra.cluster import tool_path
 
 MANIFESTS = ROOT / "manifests"
 GENERATED = ("base/lorafleet.yaml", "overlays/dev/generated.yaml")

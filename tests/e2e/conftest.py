@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
-from tests.infra.session import TestCluster, shared_cluster
+from lorafleet_devcluster.session import TestCluster, shared_cluster
 
 
 @pytest.fixture(scope="session")

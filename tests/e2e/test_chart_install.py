@@ -14,11 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from lorafleet_devcluster.hfhub import LocalHub
+from lorafleet_devcluster.session import TestCluster
+from lorafleet_devcluster.stack import BASE_MODEL, Release, deep_merge, default_values, wait_for
 from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
-
-from tests.delivery.stack import BASE_MODEL, Release, deep_merge, default_values, wait_for
-from tests.infra.hfhub import LocalHub
-from tests.infra.session import TestCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

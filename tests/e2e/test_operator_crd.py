@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-
-from tests.infra.cluster import wait_until
-from tests.infra.session import TestCluster
-
-CRD = Path(__file__).resolve().parents[2] / "crds" / "dynamomodel.yaml"
+from lorafleet_devcluster.cluster import wait_until
+from lorafleet_devcluster.rawstack import install_crd
+from lorafleet_devcluster.session import TestCluster
 
 # Dynamo's own example (docs: "Managing Models with DynamoModel"), verbatim but for the namespace.
 DYNAMO_MANIFEST = """
@@ -29,11 +26,6 @@ spec:
   source:
     uri: s3://my-bucket/loras/my-lora
 """
-
-
-def install_crd(cluster: TestCluster) -> None:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/dynamomodels.nvidia.com")
 
 
 @pytest.fixture(scope="module")

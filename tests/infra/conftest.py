@@ -1,4 +1,4 @@
-"""Fixtures of the infrastructure tests: the session's shared local cluster (see tests/infra/session.py)."""
+"""Fixtures of the infrastructure tests: the session's shared local cluster (see lorafleet_devcluster.session)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
-
-from tests.infra.session import TestCluster, shared_cluster
+from lorafleet_devcluster.session import TestCluster, shared_cluster
 
 
 @pytest.fixture(scope="session")

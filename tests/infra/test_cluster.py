@@ -9,11 +9,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from tests.infra.cluster import LocalCluster, versions, wait_until
-from tests.infra.kube import Kube
-from tests.infra.nodeagent import NodeAgent
-from tests.infra.session import TestCluster
+from lorafleet_devcluster.cluster import LocalCluster, versions, wait_until
+from lorafleet_devcluster.kube import Kube
+from lorafleet_devcluster.nodeagent import NodeAgent
+from lorafleet_devcluster.session import TestCluster
 
 
 def _processes_mentioning(text: str) -> list[int]:

@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tests.infra import images, podspec
-from tests.infra.cluster import wait_until
-from tests.infra.kube import JSON
-from tests.infra.session import TestCluster
+from lorafleet_devcluster import images, podspec
+from lorafleet_devcluster.cluster import wait_until
+from lorafleet_devcluster.kube import JSON
+from lorafleet_devcluster.session import TestCluster
 
 # A tiny HTTP server run as the container of test Deployments (mounted from a ConfigMap at /app).
 SERVER = r"""

@@ -25,10 +25,9 @@ from typing import Any
 import httpx
 import pytest
 from aiohttp import web
+from lorafleet_devcluster.nodeagent import AddressBlock
 from lorafleet_operator.reconcile import Pod
 from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash, lora_id
-
-from tests.infra.nodeagent import AddressBlock
 
 _hosts = itertools.count(20)
 

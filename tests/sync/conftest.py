@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lorafleet_devcluster.hfhub import LocalHub
+from lorafleet_devcluster.minio import MinioServer
 from lorafleet_sync.hf import HfSettings
 from lorafleet_sync.retry import FetchPolicy
 from lorafleet_sync.s3 import S3Settings
 from lorafleet_sync.sources import AdapterSources
-
-from tests.infra.hfhub import LocalHub
-from tests.infra.minio import MinioServer
 
 HF_TOKEN = "hf_" + secrets.token_hex(12)
 SYNC = Path(sys.executable).parent / "lorafleet-sync"

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
-
-from tests.infra.hfhub import LocalHub
+from lorafleet_devcluster.hfhub import LocalHub
 
 TOKEN = "hf_local_hub_token"
 FILES_V1 = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"w" * 5000, "docs/README.md": b"hi"}

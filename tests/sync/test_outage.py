@@ -8,12 +8,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from lorafleet_devcluster.minio import MinioServer, wait_until
 from lorafleet_sync.errors import SourceError
 from lorafleet_sync.retry import FetchPolicy
 from lorafleet_sync.s3 import S3Settings
 from lorafleet_sync.sources import AdapterSources
-
-from tests.infra.minio import MinioServer, wait_until
 
 from .conftest import read_tree, s3_settings_for, write_adapter
 

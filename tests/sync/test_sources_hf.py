@@ -7,12 +7,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from lorafleet_devcluster.hfhub import LocalHub
 from lorafleet_sync.hf import HfSettings
 from lorafleet_sync.retry import FetchPolicy
 from lorafleet_sync.sources import AdapterSources, SourceError
 from lorafleet_sync.uris import cache_key
-
-from tests.infra.hfhub import LocalHub
 
 from .conftest import HF_TOKEN, read_tree, write_adapter
 

@@ -10,13 +10,12 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 import pytest
+from lorafleet_devcluster.minio import MinioServer, wait_until
 from lorafleet_sync import s3
 from lorafleet_sync.errors import SourceError
 from lorafleet_sync.s3 import S3Settings
 from lorafleet_sync.sources import AdapterSources
 from lorafleet_sync.uris import S3URI, cache_key
-
-from tests.infra.minio import MinioServer, wait_until
 
 from .conftest import read_tree, write_adapter
 

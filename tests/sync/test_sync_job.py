@@ -8,11 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from lorafleet_devcluster.hfhub import LocalHub
+from lorafleet_devcluster.minio import MinioServer
 from lorafleet_sync.manifest import MANIFEST_NAME, sha256_file
 from lorafleet_sync.sources import AdapterSources, SourceError
-
-from tests.infra.hfhub import LocalHub
-from tests.infra.minio import MinioServer
 
 from .conftest import SYNC, Run, read_tree, write_adapter
 

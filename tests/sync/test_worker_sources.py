@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 import pytest
+from lorafleet_devcluster.hfhub import LocalHub
+from lorafleet_devcluster.minio import MinioServer
 
-from tests.infra.hfhub import LocalHub
-from tests.infra.minio import MinioServer
 from tests.worker.conftest import Worker, start_worker, stop_worker
 
 from .conftest import HF_TOKEN, Run

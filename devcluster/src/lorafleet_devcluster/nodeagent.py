@@ -3,8 +3,8 @@
 Each pod gets its own loopback address (127.0.B.2, .3, ...; B is a per-agent
 block so several agents can run at once), reported as the pod IP and exported
 as `POD_IP`; programs must listen on it. Containers map to local programs
-through `tests/infra/images.py`; volumes and mount paths through
-`tests/infra/podspec.py`. Unscheduled pods are bound to this node (no
+through `lorafleet_devcluster/images.py`; volumes and mount paths through
+`lorafleet_devcluster/podspec.py`. Unscheduled pods are bound to this node (no
 scheduler), so every pod runs here.
 
 Per container the process gets a clean environment: PATH (venv first), HOME,
@@ -15,7 +15,7 @@ a TokenRequest token bound to the pod, so programs act as the pod's
 ServiceAccount and RBAC applies. Logs: `<workdir>/pods/<ns>/<pod>/<uid>/logs/<container>.log`
 (`NodeAgent.logs()`); `kubectl logs` does not work (no kubelet API).
 
-Run standalone: `python -m tests.infra.nodeagent --kubeconfig K --workdir D`.
+Run standalone: `python -m lorafleet_devcluster.nodeagent --kubeconfig K --workdir D`.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from tests.infra import images, podspec
-from tests.infra.cluster import spawn, terminate
-from tests.infra.kube import JSON, Credentials, Kube, KubeError, write_kubeconfig
+from lorafleet_devcluster import images, podspec
+from lorafleet_devcluster.cluster import spawn, terminate
+from lorafleet_devcluster.kube import JSON, Credentials, Kube, KubeError, write_kubeconfig
 
 HOST_IP = "127.0.0.1"
 PASS_ENV = ("HOME", "LANG", "LC_ALL", "TMPDIR", "LORAFLEET_CACHE")
@@ -820,9 +820,11 @@ class NodeAgent:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tests.infra.kube import load_kubeconfig
+    from lorafleet_devcluster.kube import load_kubeconfig
 
-    parser = argparse.ArgumentParser(prog="python -m tests.infra.nodeagent", description="run the test node agent")
+    parser = argparse.ArgumentParser(
+        prog="python -m lorafleet_devcluster.nodeagent", description="run the test node agent"
+    )
     parser.add_argument("--kubeconfig", type=Path, required=True)
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--node-name", default="lorafleet-node")

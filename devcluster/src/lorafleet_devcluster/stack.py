@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.delivery.helm import CHART, values_args
-from tests.infra.session import TestCluster
+from lorafleet_devcluster.helm import CHART, values_args
+from lorafleet_devcluster.session import TestCluster
 
 BASE_MODEL = "Qwen/Qwen3-0.6B"  # the base model Dynamo's example manifest names
 JSON = dict[str, Any]

@@ -21,9 +21,9 @@ from typing import Any
 
 import kubernetes
 
-from tests.infra.cluster import LocalCluster, run_tool, tool_path, wait_until
-from tests.infra.kube import JSON, Kube, KubeError, load_kubeconfig
-from tests.infra.nodeagent import NodeAgent
+from lorafleet_devcluster.cluster import LocalCluster, run_tool, tool_path, wait_until
+from lorafleet_devcluster.kube import JSON, Kube, KubeError, load_kubeconfig
+from lorafleet_devcluster.nodeagent import NodeAgent
 
 
 def _target_port(pod: JSON, target: int | str) -> int | None:

@@ -5,15 +5,12 @@ The binaries are the ones `make setup` builds into `$LORAFLEET_CACHE/bin/<tool>-
 own temporary directory, so several may run at once. `stop()` terminates every
 process it started (SIGTERM, then SIGKILL).
 
-CLI (used by `make demo`), which also runs the node agent:
-
-    python -m tests.infra.cluster up [--dir DIR]     # prints the kubeconfig path
-    python -m tests.infra.cluster down [--dir DIR]
+CLI (`lorafleet-devcluster up|down|status`, see `lorafleet_devcluster.cli`), which also runs the
+node agent: `up` prints the kubeconfig path, `down` stops what `up` started.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import json
@@ -32,9 +29,9 @@ from typing import Any
 
 import httpx
 
-from tests.infra.certs import CertificateAuthority, CertPair, write_service_account_keys
-from tests.infra.images import REPO_ROOT, cache_dir
-from tests.infra.kube import Credentials, Kube, write_kubeconfig
+from lorafleet_devcluster.certs import CertificateAuthority, CertPair, write_service_account_keys
+from lorafleet_devcluster.kube import Credentials, Kube, write_kubeconfig
+from lorafleet_devcluster.paths import REPO_ROOT, cache_dir
 
 VERSIONS_FILE = REPO_ROOT / "tools" / "go-tools.versions"
 SERVICE_CIDR = "10.0.0.0/24"
@@ -347,7 +344,8 @@ class LocalCluster:
 
 
 # -- CLI ---------------------------------------------------------------------------------------------
-def _default_dir() -> Path:
+def default_dir() -> Path:
+    """Where `up` records the cluster it starts."""
     return cache_dir() / "run" / "local-cluster"
 
 
@@ -363,7 +361,7 @@ def _cmd_up(workdir: Path) -> int:
         [
             sys.executable,
             "-m",
-            "tests.infra.nodeagent",
+            "lorafleet_devcluster.nodeagent",
             "--kubeconfig",
             str(cluster.kubeconfig),
             "--workdir",
@@ -407,6 +405,23 @@ def _cmd_down(workdir: Path) -> int:
     return 0
 
 
+def _cmd_status(workdir: Path) -> int:
+    """Print each recorded process (running or gone) and the kubeconfig; 0 when all run, 1 otherwise."""
+    state = workdir / "state.json"
+    if not state.exists():
+        print(f"no cluster recorded in {state}")
+        return 1
+    recorded = json.loads(state.read_text())
+    alive = {name: _pid_alive(pid) for name, pid in recorded["pids"].items()}
+    for name, pid in recorded["pids"].items():
+        print(f"{name:<24} pid {pid:<8} {'running' if alive[name] else 'GONE'}")
+    print(f"server     {recorded['server']}\nkubeconfig {recorded['kubeconfig']}")
+    return 0 if all(alive.values()) else 1
+
+
+COMMANDS: dict[str, Callable[[Path], int]] = {"up": _cmd_up, "down": _cmd_down, "status": _cmd_status}
+
+
 def _stop_groups(pids: Sequence[int], grace: float) -> None:
     """SIGTERM the process groups of `pids` (not our children), SIGKILL after `grace` seconds."""
     for pid in pids:
@@ -428,15 +443,3 @@ def _pid_alive(pid: int) -> bool:
     with contextlib.suppress(OSError):
         return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
     return False
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.infra.cluster", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["up", "down"])
-    parser.add_argument("--dir", type=Path, default=_default_dir(), help="state directory (default: %(default)s)")
-    args = parser.parse_args(argv)
-    return _cmd_up(args.dir) if args.command == "up" else _cmd_down(args.dir)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

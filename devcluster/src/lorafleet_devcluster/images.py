@@ -27,22 +27,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from lorafleet_devcluster.paths import REPO_ROOT, cache_dir, venv_bin
+
+__all__ = ["REPO_ROOT", "ImageError", "ImageRule", "cache_dir", "repository", "resolve", "rule_for", "venv_bin"]
 
 
 class ImageError(Exception):
     """The image (or the program it names) has no local mapping."""
 
     reason = "ErrImagePull"
-
-
-def venv_bin() -> Path:
-    """The project venv's bin directory (`LORAFLEET_VENV` overrides `<repo>/.venv`)."""
-    return Path(os.environ.get("LORAFLEET_VENV", REPO_ROOT / ".venv")) / "bin"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LORAFLEET_CACHE", Path.home() / ".cache" / "lorafleet"))
 
 
 def _in_dirs(dirs: Callable[[], Sequence[Path]]) -> Callable[[str], Path | None]:
@@ -105,7 +98,7 @@ def rule_for(image: str) -> ImageRule:
     for rule in TABLE:
         if any(repo == s or repo.endswith("/" + s) for s in rule.suffixes):
             return rule
-    raise ImageError(f"image {image!r} has no local command mapping (see tests/infra/images.py)")
+    raise ImageError(f"image {image!r} has no local command mapping (see lorafleet_devcluster/images.py)")
 
 
 def resolve(image: str, command: Sequence[str] | None, args: Sequence[str] | None) -> list[str]:
@@ -115,5 +108,21 @@ def resolve(image: str, command: Sequence[str] | None, args: Sequence[str] | Non
     argv += list(args or [])
     program = rule.locate(Path(argv[0]).name)
     if program is None:
-        raise ImageError(f"image {image!r}: program {argv[0]!r} not found locally (see tests/infra/images.py)")
+        raise ImageError(f"image {image!r}: program {argv[0]!r} not found locally (see lorafleet_devcluster/images.py)")
     return [str(program), *argv[1:]]
+
+
+def describe() -> str:
+    """One line per image family: the repositories it matches and where its programs come from."""
+    where = {
+        "lorafleet/worker": f"{venv_bin()} (process mode)",
+        "lorafleet/operator": f"{venv_bin()} (process mode)",
+        "lorafleet/sync": f"{venv_bin()} (process mode)",
+        "minio/minio": f"{cache_dir() / 'bin'}/minio-* (newest)",
+        "busybox": "the host PATH",
+        "python": f"{venv_bin()}, then the host PATH",
+    }
+    return "\n".join(
+        f"{', '.join(rule.suffixes):<44} -> {where[rule.suffixes[0]]}; entrypoint {' '.join(rule.entrypoint)}"
+        for rule in TABLE
+    )

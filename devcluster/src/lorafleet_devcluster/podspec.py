@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.infra.kube import JSON, Kube, KubeError
+from lorafleet_devcluster.kube import JSON, Kube, KubeError
 
 
 class ConfigError(Exception):
