@@ -7,30 +7,44 @@ PY := $(VENV)/bin/python
 export LORAFLEET_CACHE ?= $(HOME)/.cache/lorafleet
 PYTEST_ARGS ?=
 # Python code that lint/fmt cover.
-PY_DIRS := worker operator jobs devcluster tests bench demo
+PY_DIRS := worker operator jobs devcluster tests bench demo tools
 
-.PHONY: help setup setup-python test test-unit lint demo bench fmt clean
+.PHONY: help setup setup-python test test-unit lint lock demo bench fmt clean
 
 help:  ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-14s %s\n", $$1, $$2}'
 
 # Python side: a venv with the three shipped projects and the dev cluster (editable) and pinned dev tools.
-PY_STAMP := $(VENV)/.lorafleet-setup-$(shell cat constraints.txt requirements-dev.txt worker/pyproject.toml operator/pyproject.toml jobs/pyproject.toml devcluster/pyproject.toml | sha256sum | cut -c1-16)
+PY_STAMP := $(VENV)/.lorafleet-setup-$(shell cat constraints.txt locks/dev.txt requirements-dev.txt worker/pyproject.toml operator/pyproject.toml jobs/pyproject.toml devcluster/pyproject.toml | sha256sum | cut -c1-16)
 
 setup-python: $(PY_STAMP)
-$(PY_STAMP): constraints.txt requirements-dev.txt worker/pyproject.toml operator/pyproject.toml jobs/pyproject.toml devcluster/pyproject.toml
-	@echo "==> creating $(VENV) and installing pinned Python dependencies (torch is ~3 GB on first run)"
-	@test -x $(VENV)/bin/pip || python3 -m venv --clear $(VENV)
-	@$(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt uv
-	@UV_CACHE_DIR=$(LORAFLEET_CACHE)/uv $(VENV)/bin/uv pip install --python $(PY) -c constraints.txt \
+$(PY_STAMP): $(VENV)/bin/uv constraints.txt locks/dev.txt requirements-dev.txt worker/pyproject.toml operator/pyproject.toml jobs/pyproject.toml devcluster/pyproject.toml
+	@echo "==> installing the locked Python dependencies into $(VENV) (torch is ~3 GB on first run)"
+	@UV_CACHE_DIR=$(LORAFLEET_CACHE)/uv $(VENV)/bin/uv pip install --python $(PY) -c constraints.txt -c locks/dev.txt \
 		-e ./jobs -e ./operator -e './worker[dev]' -e ./devcluster -r requirements-dev.txt
 	@rm -f $(VENV)/.lorafleet-setup-*; touch $@
 	@echo "==> Python environment ready"
+
+# The venv and uv (the installer and lock tool), pinned by constraints.txt.
+$(VENV)/bin/uv: constraints.txt
+	@test -x $(VENV)/bin/pip || python3 -m venv --clear $(VENV)
+	@$(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt uv
+	@touch $@
+
+# locks/*.txt: the whole dependency closure of each image and of the dev venv, with hashes (tools/lock.py).
+lock: $(VENV)/bin/uv  ## regenerate locks/ after changing constraints.txt, requirements-dev.txt or a pyproject's dependencies
+	UV=$(VENV)/bin/uv UV_CACHE_DIR=$(LORAFLEET_CACHE)/uv $(VENV)/bin/python tools/lock.py
 
 setup: setup-python  ## install everything (Python deps, Go-built tools); cached, a second run does nothing
 
 test: setup  ## run every test (unit, integration, e2e)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# Tests that need neither the Go-built cluster tools nor MinIO (a quick loop while editing).
+UNIT_TESTS := tests/worker tests/operator tests/kernels tests/delivery/test_dockerfiles.py tests/delivery/test_lock.py \
+	tests/delivery/test_image_packages.py
+test-unit: setup-python  ## the tests that need no cluster tools or MinIO (worker, operator units, kernels, images' packages, locks)
+	$(PY) -m pytest $(UNIT_TESTS) $(PYTEST_ARGS)
 
 lint: setup-python  ## ruff and mypy
 	$(VENV)/bin/ruff check $(PY_DIRS)
