@@ -222,12 +222,24 @@ def test_echo_returns_the_prompt_with_its_logprobs(worker: Worker, hf_tokenizer:
 
 def test_echo_logprobs_equal_transformers_and_peft(worker: Worker, untemplated_model: Path, adapter_dir: Path) -> None:
     """Log-likelihood scoring as evaluation harnesses do it: echo, logprobs, max_tokens=0, base and adapter."""
+    import openai
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0)
     prompts = [PROMPT + " girl who lived in the woods", "def add(a, b): return a + b"]
-    body = {"prompt": prompts, "echo": True, "max_tokens": 0, "logprobs": 1, "return_tokens_as_token_ids": True}
-    ours = {model: _complete(worker, model=model, **body)["choices"] for model in (worker.model_name, ADAPTER)}
+    ours = {
+        model: client.completions.create(
+            model=model,
+            prompt=prompts,
+            echo=True,
+            max_tokens=0,
+            logprobs=1,
+            temperature=0,
+            extra_body={"return_tokens_as_token_ids": True},
+        ).model_dump()["choices"]
+        for model in (worker.model_name, ADAPTER)
+    }
 
     base = AutoModelForCausalLM.from_pretrained(untemplated_model, dtype=torch.float32).eval()
     peft_model = PeftModel.from_pretrained(base, adapter_dir).eval()

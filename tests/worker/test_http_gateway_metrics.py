@@ -48,6 +48,11 @@ def value(metrics: dict[str, list[tuple[dict[str, str], float]]], name: str, **l
     return found[0]
 
 
+def total(metrics: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
+    """The sum of the samples of `name` whose labels include `labels` (0 when there is none yet)."""
+    return sum(v for ls, v in metrics.get(name, []) if all(ls.get(k) == want for k, want in labels.items()))
+
+
 @pytest.fixture(scope="module")
 def worker(tiny_models: Any, tiny_adapter_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     paths = [tiny_adapter_factory(tiny_models["llama"], rank=4, seed=31 + i) for i in range(len(ADAPTERS))]
