@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 
-from tests.worker.conftest import Worker, start_worker, stop_worker
+from tests.worker.conftest import Worker, start_worker, stop_worker, wait_until
 
 ADAPTER = "fields/r8"
 PROMPT = "Once upon a time there was a little"
@@ -374,3 +374,20 @@ def test_chat_without_a_template_is_400(untemplated_model: Path, tmp_path_factor
         assert _post(w, "/v1/completions", {"model": "no-template", "prompt": "hi", "max_tokens": 2})["choices"]
     finally:
         stop_worker(w)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_that_leaves_aborts_every_choice(worker: Worker, stream: bool) -> None:
+    def aborted() -> float:
+        return worker.metrics()["lorafleet_engine_requests_aborted"]
+
+    before = aborted()
+    body = {"model": worker.model_name, "prompt": [PROMPT, "def"], "n": 2, "max_tokens": 1500, "ignore_eos": True}
+    if stream:
+        with httpx.stream("POST", f"{worker.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{worker.url}/v1/completions", json=body, timeout=0.5)
+    wait_until(lambda: aborted() >= before + 4, 60, "the engine never aborted all four choices")
+    wait_until(lambda: worker.metrics()["lorafleet_engine_num_running"] == 0, 60, "choices still running")

@@ -327,11 +327,14 @@ async def _stream(shaper: _Shaper) -> AsyncIterator[str]:
 async def _respond(shaper: _Shaper, stream: bool) -> Any:
     if stream:
         return StreamingResponse(_stream(shaper), media_type="text/event-stream")
+    tasks = [asyncio.ensure_future(c.gen.collect()) for c in shaper.choices]
     try:
-        results = await asyncio.gather(*(c.gen.collect() for c in shaper.choices))
-    finally:
-        for c in shaper.choices:
-            await c.gen.close()
+        results = await asyncio.gather(*tasks)
+    except BaseException:  # one choice failed or the client left: end the others (each closes its request)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     return shaper.response(list(results))
 
 
