@@ -93,7 +93,12 @@ def test_mixed_greedy_and_sampled_rows() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {3: 101.0}}, "logit_bias"),
         ({"temperature": -1.0}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 0.0}, "top_p"),

@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="cache of downloaded adapters (default $DYN_LORA_PATH)",
     )
     serve.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEMPLATE",
+        help="chat template (a Jinja file, or the template itself) for models without one, or to replace it",
+    )
+    serve.add_argument(
         "--admin-token-file", metavar="FILE", type=Path, help="file holding the management API's bearer token"
     )
 
@@ -165,6 +170,18 @@ def _resolve_dtype(name: str, model_dir: Path, device: str) -> str:
     return stored if stored in ("bfloat16", "float16") else "bfloat16"
 
 
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM reads it: a file's content, else the template text itself."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise SystemExit(f"lorafleet-worker: --chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
 def _serve(args: argparse.Namespace) -> int:
     from lorafleet_worker.server import run_worker
     from lorafleet_worker.service import WorkerSettings
@@ -189,6 +206,7 @@ def _serve(args: argparse.Namespace) -> int:
         lora_backend=args.lora_backend,
         lora_cache_dir=args.lora_cache_dir,
         admin_token=_admin_token(args.admin_token_file),
+        chat_template=_chat_template(args.chat_template),
         lora_enabled=os.environ.get("DYN_LORA_ENABLED", "true").strip().lower() not in _FALSE,
     )
     log.info(

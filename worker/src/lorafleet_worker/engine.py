@@ -12,11 +12,13 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from lorafleet_worker.config import ModelConfig
 from lorafleet_worker.kv_cache import PagedKVCache
@@ -24,7 +26,7 @@ from lorafleet_worker.lora.backend import LoRABackend, get_backend
 from lorafleet_worker.lora.errors import AdapterNotFoundError, CapacityError
 from lorafleet_worker.lora.manager import AdapterManager
 from lorafleet_worker.model import LoRAContext, Transformer, parse_dtype
-from lorafleet_worker.sampling import SamplingParams, TokenOutput, make_generator, sample
+from lorafleet_worker.sampling import SamplingParams, TokenOutput, make_generator, prompt_logprobs, sample
 from lorafleet_worker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan, build_forward_batch
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,9 @@ class EngineStats:
     preemptions: int = 0
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
+    running_adapters: tuple[str, ...] = ()  # adapters of the running / waiting requests (vLLM's LoRA info)
+    waiting_adapters: tuple[str, ...] = ()
+    updated_at: float = 0.0  # wall-clock time of the last update
 
 
 def _check_device(device: torch.device, lora_backend: str) -> None:
@@ -328,9 +333,21 @@ class Engine:
         if backend is not None and manager is not None and bool((token_slots >= 0).any()):
             info = backend.prepare(token_slots.to(self.device, non_blocking=True))
             batch.lora = LoRAContext(backend, manager.pool, info)
-        logits = self.model(batch, self.kv)
-        sampled_chunks = [c for c in plan.chunks if c.samples]
-        picks = sample(logits, [c.seq.params for c in sampled_chunks], [c.seq.generator for c in sampled_chunks])
+        logits = self._score_prompts(plan, self.model(batch, self.kv))
+        samplers = [c for c in plan.chunks if c.samples]
+        keep = [i for i, c in enumerate(samplers) if c.seq.params.max_tokens > 0]
+        prefill_only = [c.seq for c in samplers if c.seq.params.max_tokens == 0]
+        if prefill_only:
+            logits = logits[keep]
+        sampled_chunks = [samplers[i] for i in keep]
+        seqs = [c.seq for c in sampled_chunks]
+        picks = sample(
+            logits,
+            [s.params for s in seqs],
+            [s.generator for s in seqs],
+            [(s.tokens, s.num_prompt) for s in seqs],
+            self.config.eos_token_ids,
+        )
 
         st = self.stats
         st.steps += 1
@@ -341,17 +358,48 @@ class Engine:
                 st.prompt_tokens += min(c.num_tokens, c.seq.num_prompt - c.seq.num_computed)
             c.seq.num_computed += c.num_tokens
         out: list[tuple[str, TokenOutput | BaseException]] = []
+        for seq in prefill_only:  # max_tokens=0: the prompt is scored, nothing is generated
+            self.scheduler.finish(seq, "length")
+            st.requests_finished += 1
+            out.append((seq.request_id, TokenOutput(-1, 0.0, None, "length", self._prompt_logprobs_of(seq))))
         for c, pick in zip(sampled_chunks, picks, strict=True):
             seq = c.seq
+            first = seq.num_output == 0
             seq.tokens.append(pick.token_id)
             st.generation_tokens += 1
             reason = self._finish_reason(seq, pick.token_id)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 st.requests_finished += 1
-            out.append((seq.request_id, TokenOutput(pick.token_id, pick.logprob, pick.top_logprobs, reason)))
+            token = TokenOutput(pick.token_id, pick.logprob, pick.top_logprobs, reason)
+            if first:
+                token.prompt_logprobs = self._prompt_logprobs_of(seq)
+            out.append((seq.request_id, token))
         self._update_queue_stats()
         self._deliver(out)
+
+    @staticmethod
+    def _score_prompts(plan: StepPlan, logits: Tensor) -> Tensor:
+        """Record prompt logprobs from their rows of `logits`; return the rows that sample."""
+        if not any(c.prompt_logprob_positions for c in plan.chunks):
+            return logits
+        row, sample_rows = 0, []
+        for c in plan.chunks:
+            positions = c.prompt_logprob_positions
+            if positions:
+                seq = c.seq
+                targets = [seq.tokens[p + 1] for p in positions]
+                k = seq.params.prompt_logprobs or 0
+                seq.prompt_logprobs.extend(prompt_logprobs(logits[row : row + len(positions)], targets, k))
+                row += len(positions)
+            if c.samples:
+                sample_rows.append(row)
+                row += 1
+        return logits[sample_rows]
+
+    @staticmethod
+    def _prompt_logprobs_of(seq: Sequence) -> list[tuple[float, dict[int, float]]] | None:
+        return None if seq.params.prompt_logprobs is None else list(seq.prompt_logprobs)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -404,6 +452,9 @@ class Engine:
         st.num_waiting_for_slot = sched.num_waiting_for_slot
         st.preemptions = sched.num_preemptions
         st.kv_blocks_free = self.kv.allocator.num_free
+        st.running_adapters = tuple(dict.fromkeys(s.adapter for s in sched.running if s.adapter))
+        st.waiting_adapters = tuple(dict.fromkeys(s.adapter for s in sched.waiting if s.adapter))
+        st.updated_at = time.time()
 
     def _deliver(self, items: list[tuple[str, TokenOutput | BaseException]]) -> None:
         if items and self._loop is not None:

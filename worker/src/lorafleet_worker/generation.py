@@ -30,7 +30,7 @@ class TokenInfo:
     """A generated token with its logprobs and the offset of its text in the completion."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None for an echoed prompt's first token (nothing predicts it)
     top_logprobs: dict[int, float] | None
     text_offset: int
 
@@ -67,12 +67,15 @@ class Generation:
     ) -> None:
         self.request_id = new_request_id("req")
         self.model = model
+        self.prompt_ids = prompt_ids
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self._service = service
         self._metrics = service.metrics
         self._detok = IncrementalDetokenizer(service.tokenizer, prompt_ids)
         self._stops = StopStringMatcher(stop)
+        self._min_tokens = params.min_tokens  # stop strings are not looked for in these tokens' text (as vLLM)
+        self.prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None
         self._silent_ids = set(params.stop_token_ids) | set(service.engine.config.eos_token_ids)
         self._text_len = 0
         self._t0 = time.monotonic()
@@ -83,6 +86,8 @@ class Generation:
         self._disconnected = disconnected
         self._watcher: asyncio.Future[Any] | None = None
         self._outcome = "error"
+        self._finish_reason: str | None = None
+        self._vllm_labels = (service.model_name, "0")  # vLLM labels by the served (base) model name
 
     async def start(self) -> None:
         """Submit to the engine and wait for the first token; a vanished adapter is a 404, bad input a 400."""
@@ -105,6 +110,8 @@ class Generation:
         except BaseException:
             await self.close()
             raise
+        if self._first is not None:
+            self.prompt_logprobs = self._first.prompt_logprobs
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Deltas until the finish reason; closes the engine request on exit."""
@@ -114,6 +121,7 @@ class Generation:
                 delta = self._consume(out)
                 if delta.finish_reason:
                     self._outcome = "abort" if delta.finish_reason == "abort" else "success"
+                    self._finish_reason = delta.finish_reason
                 if delta.text or delta.tokens or delta.finish_reason:
                     yield delta
                 if delta.finish_reason:
@@ -150,6 +158,9 @@ class Generation:
         m.generation_tokens.labels(model=self.model).inc(self.completion_tokens)
         elapsed = time.monotonic() - self._t0
         m.request_latency.observe(elapsed)
+        m.vllm_e2e_latency.labels(*self._vllm_labels).observe(elapsed)
+        if self._finish_reason is not None:
+            m.vllm_request_success.labels(*self._vllm_labels, self._finish_reason).inc()
         log.info(
             "request %s model=%s outcome=%s prompt_tokens=%d generated=%d in %.3fs",
             self.request_id,
@@ -188,10 +199,14 @@ class Generation:
 
     def _observe_latency(self) -> None:
         now = time.monotonic()
+        m = self._metrics
         if self._last_token_at is None:
-            self._metrics.time_to_first_token.observe(now - self._t0)
+            m.time_to_first_token.observe(now - self._t0)
+            m.vllm_time_to_first_token.labels(*self._vllm_labels).observe(now - self._t0)
         else:
-            self._metrics.inter_token_latency.observe(now - self._last_token_at)
+            m.inter_token_latency.observe(now - self._last_token_at)
+            m.vllm_inter_token_latency.labels(*self._vllm_labels).observe(now - self._last_token_at)
+            m.vllm_time_per_output_token.labels(*self._vllm_labels).observe(now - self._last_token_at)
         self._last_token_at = now
 
     def _consume(self, out: TokenOutput) -> Delta:
@@ -205,7 +220,7 @@ class Generation:
         if out.finish_reason:
             text += self._detok.flush()
         self._text_len += len(text)
-        emitted = self._stops.feed(text)
+        emitted = self._stops.skip(text) if self.completion_tokens <= self._min_tokens else self._stops.feed(text)
         if self._stops.stopped:
             return Delta(emitted, [token], "stop")
         if out.finish_reason:

@@ -2,22 +2,36 @@
 
 Request-level metrics are recorded by the HTTP layer; engine and adapter-manager numbers
 (steps, queue lengths, slot and CPU-tier residency, ...) are read at scrape time by a collector.
+
+The `vllm:*` series repeat the numbers under vLLM's names, labels and meanings (vllm/v1/metrics/
+loggers.py), so that the endpoint pickers of the Gateway API Inference Extension (llm-d and
+others) and vLLM dashboards work unchanged: queue depth, running requests, KV-cache use, the LoRA
+info gauge (its value is the time of the engine's last update; `running_lora_adapters` and
+`waiting_lora_adapters` list, comma-separated, the adapters with running / waiting requests),
+token counters, TTFT / inter-token latency / end-to-end histograms. Every series carries
+`model_name` (the served model name) and `engine="0"`, as vLLM's do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# vLLM's buckets
+_VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+_VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+_VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+VLLM_LABELS = ("model_name", "engine")
 _LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 # Engine / manager numbers that the SPEC names, exported under stable names when the engine reports them.
@@ -77,6 +91,51 @@ class EngineCollector(Collector):
                         yield GaugeMetricFamily(name, doc, value=value)
 
 
+class GatewayCollector(Collector):
+    """vLLM's scheduler, KV-cache, token and LoRA series, read from the engine's stats at scrape time."""
+
+    def __init__(self, engine_stats: Callable[[], Any], model_name: str, max_loras: int) -> None:
+        self._engine_stats = engine_stats
+        self._labels = [model_name, "0"]
+        self._max_loras = max_loras
+
+    def _family(self, kind: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, value: float) -> Metric:
+        family = kind(name, doc, labels=VLLM_LABELS)
+        family.add_metric(self._labels, value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._engine_stats()
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(
+            gauge, "vllm:num_requests_running", "Number of requests in model execution batches.", st.num_running
+        )
+        yield self._family(
+            gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", st.num_waiting
+        )
+        usage = 1.0 - st.kv_blocks_free / st.kv_blocks_total if st.kv_blocks_total else 0.0
+        yield self._family(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
+        yield self._family(
+            gauge, "vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage (older name).", usage
+        )
+        yield self._family(counter, "vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens)
+        yield self._family(
+            counter, "vllm:generation_tokens", "Number of generation tokens processed.", st.generation_tokens
+        )
+        yield self._family(
+            counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine.", st.preemptions
+        )
+        if self._max_loras > 0:
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            running, waiting = ",".join(st.running_adapters), ",".join(st.waiting_adapters)
+            info.add_metric([str(self._max_loras), waiting, running], st.updated_at or time.time())
+            yield info
+
+
 class WorkerMetrics:
     """The worker's metrics in their own registry (several workers can live in one test process)."""
 
@@ -123,9 +182,47 @@ class WorkerMetrics:
         self.max_loras = Gauge("lorafleet_max_loras", "GPU adapter slots (--max-loras)", registry=r)
         self.max_cpu_loras = Gauge("lorafleet_max_cpu_loras", "CPU-tier capacity (--max-cpu-loras)", registry=r)
         self.ready = Gauge("lorafleet_ready", "1 when the model is loaded and the engine runs", registry=r)
+        # vLLM's request series (the engine's are read by GatewayCollector)
+        self.vllm_time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            VLLM_LABELS,
+            buckets=_VLLM_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.vllm_inter_token_latency = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            VLLM_LABELS,
+            buckets=_VLLM_ITL_BUCKETS,
+            registry=r,
+        )
+        self.vllm_time_per_output_token = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (older name of vllm:inter_token_latency_seconds).",
+            VLLM_LABELS,
+            buckets=_VLLM_ITL_BUCKETS,
+            registry=r,
+        )
+        self.vllm_e2e_latency = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            VLLM_LABELS,
+            buckets=_VLLM_E2E_BUCKETS,
+            registry=r,
+        )
+        self.vllm_request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*VLLM_LABELS, "finished_reason"],
+            registry=r,
+        )
 
-    def attach_engine(self, engine_stats: Callable[[], Any], manager_stats: Callable[[], Any]) -> None:
+    def attach_engine(
+        self, engine_stats: Callable[[], Any], manager_stats: Callable[[], Any], *, model_name: str, max_loras: int
+    ) -> None:
         self.registry.register(EngineCollector(engine_stats, manager_stats))
+        self.registry.register(GatewayCollector(engine_stats, model_name, max_loras))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

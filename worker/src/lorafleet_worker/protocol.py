@@ -39,6 +39,8 @@ def validation_message(error: ValidationError | Sequence[Any]) -> str:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
         if e.get("type") == "json_invalid":
             parts.append(f"malformed JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
+        elif e.get("type") == "extra_forbidden":
+            parts.append(f"{loc}: unsupported field (this server does not implement it)")
         else:
             parts.append(f"{loc or 'body'}: {e.get('msg')}")
     return "; ".join(parts) or "invalid request"
@@ -101,29 +103,42 @@ class VllmUnloadLoraRequest(_Body):
 
 
 # --- OpenAI bodies ---------------------------------------------------------------------------------
+# Every field below has its effect; any other field is refused with 400 naming it (`extra="forbid"`),
+# so a client never gets a silently different answer than it asked for.
+
+MAX_CHOICES = 128  # prompts x n in one request
 
 
-class StreamOptions(_Body):
+class _OpenAIBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_OpenAIBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
-class _SamplingBody(_Body):
-    """Fields shared by completions and chat completions (plus vLLM's common extensions)."""
+class _SamplingBody(_OpenAIBody):
+    """Fields shared by completions and chat completions (plus vLLM's sampling extensions)."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    user: str | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for the caller's own records; no effect on the output
     # vLLM extensions
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
 
@@ -135,19 +150,33 @@ class _SamplingBody(_Body):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def token_bias(self, vocab_size: int) -> dict[int, float]:
+        """`logit_bias` with integer keys, checked against the vocabulary."""
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if not 0 <= token < vocab_size:
+                raise APIError(400, f"logit_bias token id {token} is not in [0, {vocab_size})", param="logit_bias")
+            if not -100 <= value <= 100:
+                raise APIError(400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
+            bias[token] = value
+        return bias
+
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
-        if self.presence_penalty or self.frequency_penalty:
-            raise APIError(400, "presence_penalty and frequency_penalty are not supported", param="presence_penalty")
         if len(self.stop_strings()) > 16:
             raise APIError(400, "at most 16 stop strings", param="stop")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
 
 
 class CompletionRequest(_SamplingBody):
     default_max_tokens: ClassVar[int | None] = 16  # OpenAI's default for completions
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: score the prompt only
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -157,18 +186,31 @@ class CompletionRequest(_SamplingBody):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "only best_of=1 is supported", param="best_of")
+        if self.best_of not in (None, self.n):
+            raise APIError(400, "best_of must equal n (no server-side ranking)", param="best_of")
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompt as a list of prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if isinstance(p[0], int):
+            return [p]
+        return p
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: passed to the chat template
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+
+
+class ResponseFormat(_OpenAIBody):
+    type: Literal["text"]  # structured output (json_object, json_schema) is not supported
 
 
 class ChatCompletionRequest(_SamplingBody):
@@ -176,7 +218,10 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    # vLLM extensions
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": false}
 
     def check_supported(self) -> None:
         super().check_supported()

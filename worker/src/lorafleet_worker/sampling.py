@@ -1,4 +1,10 @@
-"""Sampling parameters and batched token sampling (greedy, temperature, top-k, top-p, seeds, logprobs)."""
+"""Sampling parameters and batched token sampling.
+
+Per row, in vLLM's order: logit_bias and min_tokens, then the repetition / frequency / presence
+penalties (greedy takes the argmax here), then temperature, min_p, top-k and top-p, and a seeded or
+global draw. Logprobs are those of the raw logits (vLLM's default `raw_logprobs`), so they do not
+depend on the sampling fields.
+"""
 
 from __future__ import annotations
 
@@ -13,19 +19,38 @@ MAX_LOGPROBS = 20
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: prefill only (with prompt_logprobs: score the prompt)
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = disabled
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (after temperature)
     seed: int | None = None
     logprobs: int | None = None  # None = none; k >= 0 = chosen token + top-k
+    prompt_logprobs: int | None = None  # None = none; k >= 0 = each prompt token (after the first) + top-k
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # CTRL / transformers: on prompt and generated tokens; 1 = off
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for out-of-range values."""
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be at least 0, got {self.max_tokens}")
+        if self.min_tokens < 0 or self.min_tokens > max(self.max_tokens, 0):
+            raise ValueError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -39,6 +64,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def changes_logits(self) -> bool:
+        """True when logit_bias, min_tokens or a penalty applies (before temperature)."""
+        return bool(
+            self.logit_bias
+            or self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
+
 
 @dataclass
 class TokenOutput:
@@ -46,6 +82,8 @@ class TokenOutput:
     logprob: float  # log-softmax of the (temperature-free) logits
     top_logprobs: dict[int, float] | None
     finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    # on a request's first output when prompt_logprobs was asked: (logprob, top-k) of prompt tokens 1..n-1
+    prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None
 
 
 @dataclass
@@ -77,21 +115,81 @@ def _filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
 
 
+def _penalize_row(row: Tensor, p: SamplingParams, token_ids: Sequence[int], num_prompt: int) -> None:
+    """Apply `p`'s repetition, frequency and presence penalties to one row of logits, in place."""
+    if p.repetition_penalty != 1.0 and token_ids:
+        seen = torch.tensor(sorted(set(token_ids)), device=row.device)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    output = token_ids[num_prompt:]
+    if (p.frequency_penalty or p.presence_penalty) and output:
+        counts = torch.bincount(torch.tensor(output, device=row.device), minlength=row.shape[0]).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def process_logits(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[tuple[Sequence[int], int]],
+    eos_token_ids: Sequence[int] = (),
+) -> Tensor:
+    """Logits after logit_bias, min_tokens and the penalties (a copy when any applies).
+
+    `histories[i]` is row i's (prompt + generated token ids, number of prompt tokens).
+    """
+    rows = [i for i, p in enumerate(params) if p.changes_logits]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        p, (token_ids, num_prompt), row = params[i], histories[i], logits[i]
+        if p.logit_bias:
+            ids = [t for t in p.logit_bias if 0 <= t < vocab]
+            row[ids] += torch.tensor([p.logit_bias[t] for t in ids], device=row.device, dtype=row.dtype)
+        if len(token_ids) - num_prompt < p.min_tokens:
+            stops = {*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)}
+            row[[t for t in stops if 0 <= t < vocab]] = float("-inf")
+        _penalize_row(row, p, token_ids, num_prompt)
+    return logits
+
+
+def filter_min_p(scaled: Tensor, min_p: Tensor) -> Tensor:
+    """Mask tokens whose probability is below `min_p` x the row's top probability (0 = off)."""
+    probs = scaled.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    return scaled.masked_fill(probs < threshold, float("-inf"))
+
+
 def sample(
-    logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    histories: Sequence[tuple[Sequence[int], int]] | None = None,
+    eos_token_ids: Sequence[int] = (),
 ) -> list[SampledToken]:
-    """Pick one token per row of `logits` ([N, V], float32) for the matching params/generator."""
+    """Pick one token per row of `logits` ([N, V], float32) for the matching params/generator.
+
+    `histories` (row i's token ids and prompt length) is needed when a row uses min_tokens or a penalty.
+    """
     n = logits.shape[0]
     if n == 0:
         return []
     device = logits.device
     logprobs = torch.log_softmax(logits, dim=-1)
+    if histories is not None:
+        logits = process_logits(logits, params, histories, eos_token_ids)
+    elif any(p.changes_logits for p in params):
+        raise ValueError("sampling with min_tokens, logit_bias or penalties needs the token histories")
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         idx = torch.tensor(rows, device=device)
         temps = torch.tensor([params[i].temperature for i in rows], device=device, dtype=logits.dtype)
         scaled = logits[idx] / temps[:, None]
+        if any(params[i].min_p > 0 for i in rows):
+            min_p = torch.tensor([params[i].min_p for i in rows], device=device, dtype=logits.dtype)
+            scaled = filter_min_p(scaled, min_p)
         if any(params[i].top_k > 0 or params[i].top_p < 1 for i in rows):
             top_k = torch.tensor([max(params[i].top_k, 0) for i in rows], device=device)
             top_p = torch.tensor([params[i].top_p for i in rows], device=device, dtype=logits.dtype)
@@ -118,3 +216,15 @@ def sample(
             top = dict(zip(top_i[r][: p.logprobs], top_v[r][: p.logprobs], strict=True))
         out.append(SampledToken(token_list[r], chosen_list[r], top))
     return out
+
+
+def prompt_logprobs(logits: Tensor, targets: Sequence[int], k: int) -> list[tuple[float, dict[int, float]]]:
+    """Logprob of each target token under its row of `logits` ([N, V]) and the row's top-k."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])[:, 0].tolist()
+    if k:
+        tv, ti = logprobs.topk(k, dim=-1)
+        tops = [dict(zip(i, v, strict=True)) for i, v in zip(ti.tolist(), tv.tolist(), strict=True)]
+    else:
+        tops = [{} for _ in targets]
+    return list(zip(chosen, tops, strict=True))

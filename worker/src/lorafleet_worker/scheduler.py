@@ -54,6 +54,8 @@ class Sequence:
     slot: int = -1  # GPU LoRA slot while running, -1 = base model
     slot_wait_since: float | None = None
     finish_reason: str | None = None
+    # (logprob, top-k) of prompt tokens 1.. when params.prompt_logprobs is set (filled as the prompt is computed)
+    prompt_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
 
     @property
     def num_output(self) -> int:
@@ -69,6 +71,15 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """True when the chunk reaches the end of the sequence, so its last logits give the next token."""
         return self.seq.num_computed + self.num_tokens == len(self.seq.tokens)
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """Positions of this chunk whose logits score the next prompt token (empty unless asked, or done)."""
+        seq = self.seq
+        if seq.params.prompt_logprobs is None:
+            return range(0)
+        start = max(seq.num_computed, len(seq.prompt_logprobs))  # a recomputed prompt is not scored twice
+        return range(start, min(seq.num_computed + self.num_tokens, seq.num_prompt - 1))
 
 
 @dataclass
@@ -226,7 +237,10 @@ class Scheduler:
 
 
 def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> tuple[ForwardBatch, Tensor]:
-    """The model inputs of a plan, and the per-token LoRA slots (int32 [T], -1 = base)."""
+    """The model inputs of a plan, and the per-token LoRA slots (int32 [T], -1 = base).
+
+    Logits rows, chunk by chunk: the chunk's `prompt_logprob_positions`, then its last token if it samples.
+    """
     input_ids: list[int] = []
     positions: list[int] = []
     seq_idx: list[int] = []
@@ -240,6 +254,7 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
         positions.extend(range(start, start + n))
         seq_idx.extend([i] * n)
         token_slots.extend([seq.slot] * n)
+        logits_rows.extend(starts[-1] + p - start for p in c.prompt_logprob_positions)
         if c.samples:
             logits_rows.append(len(input_ids) - 1)
     tables = block_table_tensor([c.seq.blocks for c in plan.chunks], torch.device("cpu")).long()

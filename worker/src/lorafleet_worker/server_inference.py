@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Header, Request
@@ -13,6 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from lorafleet_worker.generation import ClientDisconnected, Delta, Generation, TokenInfo, new_request_id
 from lorafleet_worker.protocol import (
+    MAX_CHOICES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,16 +38,12 @@ Chunk = dict[str, Any]
 # --- request -> engine ------------------------------------------------------------------------------
 
 
-def _prompt_ids(service: WorkerService, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
-    """A completion prompt (text or token ids; one prompt per request) as token ids."""
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise APIError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
-        prompt = prompt[0]
+def _prompt_ids(service: WorkerService, prompt: str | list[int]) -> list[int]:
+    """One completion prompt (text or token ids) as token ids."""
     if isinstance(prompt, str):
         ids = service.tokenizer.encode(prompt)
     else:
-        ids = list(prompt)  # type: ignore[arg-type]
+        ids = list(prompt)
         vocab = service.engine.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
@@ -53,7 +53,12 @@ def _prompt_ids(service: WorkerService, prompt: str | list[str] | list[int] | li
 
 
 def _sampling_params(
-    service: WorkerService, body: _SamplingBody, prompt_len: int, max_tokens: int | None, logprobs: int | None
+    service: WorkerService,
+    body: _SamplingBody,
+    prompt_len: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> Any:
     from lorafleet_worker.sampling import SamplingParams
 
@@ -67,52 +72,118 @@ def _sampling_params(
             f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length {limit}",
             param="max_tokens",
         )
-    top_k = body.top_k if body.top_k and body.top_k > 0 else 0
+    max_tokens = max_tokens if max_tokens is not None else min(room, body.default_max_tokens or room)
+    if body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
     return SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else min(room, body.default_max_tokens or room),
+        max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=top_k,
+        top_k=body.top_k if body.top_k and body.top_k > 0 else 0,
+        min_p=body.min_p,
         seed=body.seed,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        logit_bias=body.token_bias(service.engine.config.vocab_size),
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
     )
 
 
-async def _generation(
+@dataclass
+class Choice:
+    """One choice of a response: its generation and, for echo, the prompt shown before the completion."""
+
+    index: int
+    gen: Generation
+    echo_text: str = ""
+    echo_tokens: list[TokenInfo] = field(default_factory=list)
+
+
+async def _start_choices(
     service: WorkerService,
     request: Request,
     body: _SamplingBody,
-    prompt_ids: list[int],
+    prompts: list[list[int]],
     max_tokens: int | None,
     logprobs: int | None,
-) -> Generation:
+    prompt_logprobs: int | None = None,
+) -> list[Choice]:
+    """`n` generations per prompt (choice index = prompt x n + j; seed + j as vLLM), all submitted at once."""
     body.check_supported()
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise APIError(400, f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
     adapter = service.resolve_model(body.model)
-    params = _sampling_params(service, body, len(prompt_ids), max_tokens, logprobs)
-    gen = Generation(
-        service,
-        model=body.model,
-        adapter=adapter,
-        prompt_ids=prompt_ids,
-        params=params,
-        stop=body.stop_strings(),
-        disconnected=lambda: wait_for_disconnect(request),
-    )
-    await gen.start()
-    return gen
+    gens = []
+    for ids in prompts:
+        params = _sampling_params(service, body, len(ids), max_tokens, logprobs, prompt_logprobs)
+        for j in range(body.n):
+            choice_params = dataclasses.replace(params, seed=None if body.seed is None else body.seed + j)
+            gens.append(
+                Generation(
+                    service,
+                    model=body.model,
+                    adapter=adapter,
+                    prompt_ids=ids,
+                    params=choice_params,
+                    stop=body.stop_strings(),
+                    disconnected=lambda: wait_for_disconnect(request),
+                )
+            )
+    results = await asyncio.gather(*(g.start() for g in gens), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for g in gens:
+            await g.close()
+        raise errors[0]
+    return [Choice(i, g) for i, g in enumerate(gens)]
+
+
+def _add_echo(service: WorkerService, choices: list[Choice], prompts: list[str] | list[list[int]], n: int) -> None:
+    """Put each prompt (text, and its tokens with logprobs when scored) before its choices' completions."""
+    tok = service.tokenizer
+    for c in choices:
+        prompt = prompts[c.index // n]
+        c.echo_text = prompt if isinstance(prompt, str) else tok.decode(prompt)
+        scores = c.gen.prompt_logprobs
+        if scores is None:
+            continue
+        ids = c.gen.prompt_ids
+        offset = 0
+        for i, token_id in enumerate(ids):
+            lp, top = (None, None) if i == 0 else scores[i - 1]
+            c.echo_tokens.append(TokenInfo(token_id, lp, top, offset))
+            offset += len(tok.token_text(token_id))
 
 
 # --- response shapes --------------------------------------------------------------------------------
 
 
 class _Shaper:
-    """Builds OpenAI response objects for one request (completions or chat)."""
+    """Builds OpenAI response objects for one request (completions or chat) and its choices."""
 
-    def __init__(self, service: WorkerService, gen: Generation, *, chat: bool, token_ids_as_text: bool = False) -> None:
+    def __init__(
+        self,
+        service: WorkerService,
+        body: _SamplingBody,
+        choices: list[Choice],
+        *,
+        chat: bool,
+        want_logprobs: bool,
+        token_ids_as_text: bool = False,
+    ) -> None:
         self.chat = chat
-        self.gen = gen
+        self.choices = choices
+        self.model = body.model
+        self.n = body.n
+        self.want_logprobs = want_logprobs
+        opts = body.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+        self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         self.id = new_request_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self._tokenizer = service.tokenizer
@@ -121,7 +192,7 @@ class _Shaper:
     def token_str(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self._token_ids_as_text else self._tokenizer.token_text(token_id)
 
-    def logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any]:
+    def logprobs(self, tokens: list[TokenInfo], offset: int = 0) -> dict[str, Any]:
         if self.chat:
             return {"content": [self._chat_logprob(t) for t in tokens]}
         return {
@@ -131,11 +202,11 @@ class _Shaper:
                 None if t.top_logprobs is None else {self.token_str(i): lp for i, lp in t.top_logprobs.items()}
                 for t in tokens
             ],
-            "text_offset": [t.text_offset for t in tokens],
+            "text_offset": [t.text_offset + offset for t in tokens],
         }
 
     def _chat_logprob(self, t: TokenInfo) -> dict[str, Any]:
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
             text = self.token_str(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
@@ -143,30 +214,52 @@ class _Shaper:
         return {**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in top]}
 
     def usage(self) -> dict[str, int]:
-        p, c = self.gen.prompt_tokens, self.gen.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        """Prompt tokens once per prompt (not per choice), completion tokens of every choice."""
+        p = sum(c.gen.prompt_tokens for c in self.choices if c.index % self.n == 0)
+        g = sum(c.gen.completion_tokens for c in self.choices)
+        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
     def _envelope(self, choices: list[dict[str, Any]], *, chunk: bool) -> Chunk:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.gen.model, "choices": choices}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, d: Delta, want_logprobs: bool) -> Chunk:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": d.finish_reason}
-        choice["logprobs"] = self.logprobs(d.tokens) if want_logprobs else None
+    def _choice(self, c: Choice, d: Delta, *, first: bool) -> dict[str, Any]:
+        """The choice object of one delta; a completion's first delta carries the echoed prompt."""
+        text, tokens = d.text, d.tokens
+        logprobs = self.logprobs(tokens, len(c.echo_text)) if self.want_logprobs else None
+        if first and c.echo_text:
+            text = c.echo_text + text
+            if logprobs is not None:
+                echo = self.logprobs(c.echo_tokens)
+                logprobs = {k: echo[k] + logprobs[k] for k in echo}
+        choice: dict[str, Any] = {"index": c.index}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": d.text}
+            choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = d.text
-        return {**self._envelope([choice], chunk=False), "usage": self.usage()}
+            choice["text"] = text
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = d.finish_reason
+        return choice
 
-    def chunk(self, d: Delta, want_logprobs: bool, delta_extra: dict[str, Any] | None = None) -> Chunk:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": d.finish_reason}
-        choice["logprobs"] = self.logprobs(d.tokens) if want_logprobs and d.tokens else None
+    def response(self, results: list[Delta]) -> Chunk:
+        choices = [self._choice(c, d, first=True) for c, d in zip(self.choices, results, strict=True)]
+        return {**self._envelope(choices, chunk=False), "usage": self.usage()}
+
+    def chunk(self, c: Choice, d: Delta, *, first: bool) -> Chunk:
+        choice = self._choice(c, d, first=first)
+        if not (d.tokens or (first and c.echo_tokens)):
+            choice["logprobs"] = None
         if self.chat:
-            choice["delta"] = {**(delta_extra or {}), **({"content": d.text} if d.text else {})}
-        else:
-            choice["text"] = d.text
-        return self._envelope([choice], chunk=True)
+            content = choice.pop("message")["content"]
+            choice = {"index": c.index, "delta": {"content": content} if content else {}, **choice}
+        out = self._envelope([choice], chunk=True)
+        if self.continuous_usage:
+            out["usage"] = self.usage()
+        return out
+
+    def role_chunk(self, c: Choice) -> Chunk:
+        choice = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        return self._envelope([{**choice, "finish_reason": None}], chunk=True)
 
     def usage_chunk(self) -> Chunk:
         return {**self._envelope([], chunk=True), "usage": self.usage()}
@@ -176,14 +269,51 @@ def _sse(data: Chunk | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _stream(shaper: _Shaper, want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+async def _merged_deltas(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Delta]]:
+    """The deltas of every choice as they come (one task per choice; the first error is raised)."""
+    if len(choices) == 1:
+        async for d in choices[0].gen.deltas():
+            yield choices[0], d
+        return
+    queue: asyncio.Queue[tuple[Choice, Delta] | Exception | None] = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        try:
+            async for d in c.gen.deltas():
+                await queue.put((c, d))
+            await queue.put(None)
+        except Exception as e:  # handed to the consumer
+            await queue.put(e)
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _stream(shaper: _Shaper) -> AsyncIterator[str]:
     """Server-sent events: one chunk per delta, the usage chunk if asked, then `[DONE]`."""
     try:
+        started: set[int] = set()
         if shaper.chat:
-            yield _sse(shaper.chunk(Delta(""), False, {"role": "assistant", "content": ""}))
-        async for d in shaper.gen.deltas():
-            yield _sse(shaper.chunk(d, want_logprobs))
-        if include_usage:
+            for c in shaper.choices:
+                yield _sse(shaper.role_chunk(c))
+        async for c, d in _merged_deltas(shaper.choices):
+            first = c.index not in started
+            started.add(c.index)
+            yield _sse(shaper.chunk(c, d, first=first))
+        if shaper.include_usage:
             yield _sse(shaper.usage_chunk())
         yield _sse("[DONE]")
     except ClientDisconnected:
@@ -194,11 +324,18 @@ async def _stream(shaper: _Shaper, want_logprobs: bool, include_usage: bool) -> 
         yield _sse("[DONE]")
 
 
-async def _respond(shaper: _Shaper, body: _SamplingBody, want_logprobs: bool) -> Any:
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(shaper, want_logprobs, include_usage), media_type="text/event-stream")
-    return shaper.response(await shaper.gen.collect(), want_logprobs)
+async def _respond(shaper: _Shaper, stream: bool) -> Any:
+    if stream:
+        return StreamingResponse(_stream(shaper), media_type="text/event-stream")
+    tasks = [asyncio.ensure_future(c.gen.collect()) for c in shaper.choices]
+    try:
+        results = await asyncio.gather(*tasks)
+    except BaseException:  # one choice failed or the client left: end the others (each closes its request)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    return shaper.response(list(results))
 
 
 # --- app --------------------------------------------------------------------------------------------
@@ -211,21 +348,37 @@ def build_inference_app(service: WorkerService) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        prompt_ids = _prompt_ids(service, body.prompt)
-        gen = await _generation(service, request, body, prompt_ids, body.max_tokens, body.logprobs)
-        shaper = _Shaper(service, gen, chat=False, token_ids_as_text=body.return_tokens_as_token_ids)
-        return await _respond(shaper, body, body.logprobs is not None)
+        prompts = body.prompts()
+        ids = [_prompt_ids(service, p) for p in prompts]
+        scored = body.echo and body.logprobs is not None  # echo with logprobs scores the prompt (vLLM)
+        choices = await _start_choices(
+            service, request, body, ids, body.max_tokens, body.logprobs, body.logprobs if scored else None
+        )
+        if body.echo:
+            _add_echo(service, choices, prompts, body.n)
+        shaper = _Shaper(
+            service,
+            body,
+            choices,
+            chat=False,
+            want_logprobs=body.logprobs is not None,
+            token_ids_as_text=body.return_tokens_as_token_ids,
+        )
+        return await _respond(shaper, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
-            prompt_ids = service.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+            prompt_ids = service.tokenizer.encode_chat(
+                messages, add_generation_prompt=body.add_generation_prompt, template_kwargs=body.chat_template_kwargs
+            )
         except TokenizerError as e:
             raise APIError(400, str(e), param="messages") from e
         top = (body.top_logprobs or 0) if body.logprobs else None
-        gen = await _generation(service, request, body, prompt_ids, body.max_completion_tokens or body.max_tokens, top)
-        return await _respond(_Shaper(service, gen, chat=True), body, body.logprobs)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        choices = await _start_choices(service, request, body, [prompt_ids], max_tokens, top)
+        return await _respond(_Shaper(service, body, choices, chat=True, want_logprobs=body.logprobs), body.stream)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

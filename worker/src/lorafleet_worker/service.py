@@ -50,6 +50,7 @@ class WorkerSettings:
     lora_cache_dir: Path | None = None
     admin_token: str | None = None
     lora_enabled: bool = True
+    chat_template: str | None = None  # Jinja source replacing the model's chat template (--chat-template)
 
     def engine_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -141,11 +142,16 @@ class WorkerService:
 
         from lorafleet_worker.engine import Engine
 
-        tokenizer = await asyncio.to_thread(Tokenizer.from_dir, s.model_dir)
+        tokenizer = await asyncio.to_thread(Tokenizer.from_dir, s.model_dir, chat_template=s.chat_template)
         engine = await asyncio.to_thread(Engine, s.model_dir, **s.engine_kwargs())
         await engine.start()
         self._sources = AdapterSources.from_env(cache_dir=s.lora_cache_dir)
-        self.metrics.attach_engine(lambda: engine.stats, lambda: _manager_stats(engine))
+        self.metrics.attach_engine(
+            lambda: engine.stats,
+            lambda: _manager_stats(engine),
+            model_name=self.model_name,
+            max_loras=s.max_loras if s.lora_enabled else 0,
+        )
         self._tokenizer, self._engine = tokenizer, engine
         self.metrics.ready.set(1)
         log.info("model %s ready in %.1fs", self.model_name, time.monotonic() - t0)

@@ -15,20 +15,16 @@ import tokenizers
 
 log = logging.getLogger(__name__)
 
-# Used when the model directory has no chat template (tiny test models, some base models).
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
 # Prompt tokens kept as left context so that the first generated token decodes with its leading space.
 _DETOKENIZE_CONTEXT = 5
 
 
 class TokenizerError(ValueError):
     """The tokenizer files are missing or the chat template cannot be rendered."""
+
+
+class NoChatTemplateError(TokenizerError):
+    """The model has no chat template and none was given with --chat-template."""
 
 
 def _token_content(value: Any) -> str | None:
@@ -101,11 +97,12 @@ class Tokenizer:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.has_chat_template = chat_template is not None
-        self._template = _compile_template(chat_template or DEFAULT_CHAT_TEMPLATE)
+        self._template = None if chat_template is None else _compile_template(chat_template)
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+    def from_dir(cls, model_dir: str | Path, *, chat_template: str | None = None) -> Tokenizer:
+        """The model's tokenizer; `chat_template` (Jinja source) replaces the model's own template."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -116,9 +113,9 @@ class Tokenizer:
             raise TokenizerError(f"{path}: cannot be read: {e}") from e
         config_path = model_dir / "tokenizer_config.json"
         config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        template = _load_chat_template(model_dir, config)
+        template = chat_template if chat_template is not None else _load_chat_template(model_dir, config)
         if template is None:
-            log.info("%s has no chat template; chat requests use a ChatML template", model_dir)
+            log.info("%s has no chat template: chat requests are refused (give one with --chat-template)", model_dir)
         return cls(
             tok,
             chat_template=template,
@@ -136,23 +133,41 @@ class Tokenizer:
         """The text of one token on its own (used for logprobs)."""
         return self._tok.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: Iterable[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
-        """Render OpenAI chat messages with the model's chat template."""
-        rendered = [{**m, "content": _message_text(m.get("content"))} for m in messages]
-        try:
-            return self._template.render(
-                messages=rendered,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                tools=None,
+    def render_chat(
+        self,
+        messages: Iterable[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Render OpenAI chat messages with the chat template; `template_kwargs` are extra template variables
+        (as `chat_template_kwargs` in vLLM and `apply_chat_template(**kwargs)` in transformers)."""
+        if self._template is None:
+            raise NoChatTemplateError(
+                "this model has no chat template; use /v1/completions, or start the worker with --chat-template"
             )
+        variables: dict[str, Any] = {
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "tools": None,
+            **(template_kwargs or {}),
+        }
+        variables["messages"] = [{**m, "content": _message_text(m.get("content"))} for m in messages]
+        try:
+            return self._template.render(**variables)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template error: {e}") from e
 
-    def encode_chat(self, messages: Iterable[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Iterable[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """Token ids of a chat prompt (special tokens come from the template, as in transformers)."""
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
         return self.encode(text, add_special_tokens=False)
 
 
@@ -222,6 +237,13 @@ class StopStringMatcher:
         hold = self._held_suffix()
         cut = len(self._pending) - hold
         out, self._pending = self._pending[:cut], self._pending[cut:]
+        return out
+
+    def skip(self, delta: str) -> str:
+        """Emit `delta` without looking for stop strings in it (text of the first `min_tokens` tokens)."""
+        if self.stopped:
+            return ""
+        out, self._pending = self._pending + delta, ""
         return out
 
     def flush(self) -> str:

@@ -1,0 +1,160 @@
+"""Gateway metrics in vLLM's names on the inference port, scraped under a mixed-adapter load.
+
+A fresh worker with one GPU slot (`--max-loras 1`) and three adapters: two long requests per adapter
+arrive together, so one adapter's requests run while the others wait for the slot. The scrape must
+show that split (queue depth, running count, the LoRA info gauge's adapter lists, KV-cache use); after
+the load, the token counters, the request counter and the latency histograms must add up to what the
+responses reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.worker.conftest import Worker, start_worker, stop_worker, wait_until
+
+ADAPTERS = ("gw/a", "gw/b", "gw/c")
+PER_ADAPTER = 2
+MAX_TOKENS = 160
+SAMPLE_RE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
+LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape(worker: Worker) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """`/metrics` of the inference port as {name: [(labels, value), ...]}."""
+    r = httpx.get(f"{worker.url}/metrics", timeout=30)
+    assert r.status_code == 200, r.text
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in r.text.splitlines():
+        m = SAMPLE_RE.match(line)
+        if m and not line.startswith("#"):
+            labels = dict(LABEL_RE.findall(m["labels"] or ""))
+            out.setdefault(m["name"], []).append((labels, float(m["value"])))
+    return out
+
+
+def value(metrics: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
+    """The one sample of `name` whose labels include `labels`."""
+    found = [v for ls, v in metrics.get(name, []) if all(ls.get(k) == want for k, want in labels.items())]
+    assert len(found) == 1, f"{name}{labels}: {metrics.get(name)}"
+    return found[0]
+
+
+def total(metrics: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
+    """The sum of the samples of `name` whose labels include `labels` (0 when there is none yet)."""
+    return sum(v for ls, v in metrics.get(name, []) if all(ls.get(k) == want for k, want in labels.items()))
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_models: Any, tiny_adapter_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    paths = [tiny_adapter_factory(tiny_models["llama"], rank=4, seed=31 + i) for i in range(len(ADAPTERS))]
+    w = start_worker(
+        tiny_models["llama"],
+        tmp_path_factory.mktemp("gateway_metrics"),
+        name="tiny-gw",
+        file_root=Path(paths[0]).parent,
+        args=["--max-loras", "1", "--max-num-seqs", "16"],
+    )
+    try:
+        for name, path in zip(ADAPTERS, paths, strict=True):
+            w.load(name, path)
+        yield w
+    finally:
+        stop_worker(w)
+
+
+def test_idle_worker_reports_vllm_series(worker: Worker) -> None:
+    m = scrape(worker)
+    labels = {"model_name": "tiny-gw", "engine": "0"}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert value(m, name, **labels) == 0.0
+    assert value(m, "vllm:gpu_cache_usage_perc", **labels) == 0.0
+    info = m["vllm:lora_requests_info"]
+    assert len(info) == 1
+    assert info[0][0] == {"max_lora": "1", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert abs(info[0][1] - time.time()) < 3600  # a wall-clock timestamp, as vLLM's
+
+
+def test_mixed_adapter_load(worker: Worker) -> None:
+    requests = [name for name in ADAPTERS for _ in range(PER_ADAPTER)]
+    seen: list[dict[str, Any]] = []
+
+    def split_is_visible() -> bool:
+        m = scrape(worker)
+        running = value(m, "vllm:num_requests_running")
+        waiting = value(m, "vllm:num_requests_waiting")
+        ((labels, _),) = m["vllm:lora_requests_info"]
+        running_adapters = [a for a in labels["running_lora_adapters"].split(",") if a]
+        waiting_adapters = [a for a in labels["waiting_lora_adapters"].split(",") if a]
+        if running + waiting < len(requests) or not running:
+            return False
+        seen.append(
+            {
+                "running": running,
+                "waiting": waiting,
+                "running_adapters": running_adapters,
+                "waiting_adapters": waiting_adapters,
+                "kv": value(m, "vllm:kv_cache_usage_perc"),
+                "gpu_kv": value(m, "vllm:gpu_cache_usage_perc"),
+            }
+        )
+        return True
+
+    async def load() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            posts = [
+                client.post(
+                    f"{worker.url}/v1/completions",
+                    json={"model": name, "prompt": f"story {i}", "max_tokens": MAX_TOKENS, "ignore_eos": True},
+                )
+                for i, name in enumerate(requests)
+            ]
+            tasks = [asyncio.ensure_future(p) for p in posts]
+            await asyncio.to_thread(wait_until, split_is_visible, 120, "all requests in the engine")
+            responses = await asyncio.gather(*tasks)
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+        return [r.json() for r in responses]
+
+    bodies = asyncio.run(load())
+
+    # during the load: one slot, so one adapter's requests run and the other two adapters' wait
+    during = seen[-1]
+    assert during["running"] == PER_ADAPTER and during["waiting"] == len(requests) - PER_ADAPTER
+    assert len(during["running_adapters"]) == 1
+    assert sorted(during["running_adapters"] + during["waiting_adapters"]) == sorted(ADAPTERS)
+    assert 0 < during["kv"] <= 1 and during["gpu_kv"] == during["kv"]
+
+    # after the load: idle again, and the counters add up to the responses
+    def idle() -> bool:
+        m = scrape(worker)
+        return value(m, "vllm:num_requests_running") == 0 and value(m, "vllm:num_requests_waiting") == 0
+
+    wait_until(idle, 30, "the worker to be idle")
+    m = scrape(worker)
+    labels = {"model_name": "tiny-gw", "engine": "0"}
+    assert value(m, "vllm:kv_cache_usage_perc", **labels) == 0.0
+    ((info_labels, _),) = m["vllm:lora_requests_info"]
+    assert info_labels["running_lora_adapters"] == info_labels["waiting_lora_adapters"] == ""
+    prompt = sum(b["usage"]["prompt_tokens"] for b in bodies)
+    generated = sum(b["usage"]["completion_tokens"] for b in bodies)
+    assert generated == len(requests) * MAX_TOKENS
+    assert value(m, "vllm:prompt_tokens_total", **labels) == prompt  # no preemption: each prompt once
+    assert value(m, "vllm:generation_tokens_total", **labels) == generated
+    assert value(m, "vllm:request_success_total", finished_reason="length", **labels) == len(requests)
+    assert value(m, "vllm:time_to_first_token_seconds_count", **labels) == len(requests)
+    assert value(m, "vllm:e2e_request_latency_seconds_count", **labels) == len(requests)
+    itl = value(m, "vllm:inter_token_latency_seconds_count", **labels)
+    assert itl == len(requests) * (MAX_TOKENS - 1)
+    assert value(m, "vllm:time_per_output_token_seconds_count", **labels) == itl
+    # a waiting request's first token came after the running adapter's: TTFT spread over several buckets
+    ttft_sum = value(m, "vllm:time_to_first_token_seconds_sum", **labels)
+    e2e_sum = value(m, "vllm:e2e_request_latency_seconds_sum", **labels)
+    assert 0 < ttft_sum < e2e_sum
