@@ -39,14 +39,15 @@ class WorkerSettings:
     port: int = 8000
     system_port: int = 9090
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
+    memory_budget: str | None = None  # a fraction of device memory or a size (None: the device's default)
     max_loras: int = 8
     max_cpu_loras: int = 64
     max_lora_rank: int = 64
     max_loaded_loras: int | None = None  # most adapters registered at once (None: unlimited)
     max_num_seqs: int | None = None
     max_model_len: int | None = None
-    lora_backend: str = "torch"
+    lora_backend: str = "auto"
     lora_cache_dir: Path | None = None
     admin_token: str | None = None
     lora_enabled: bool = True
@@ -60,6 +61,8 @@ class WorkerSettings:
             "max_lora_rank": self.max_lora_rank,
             "lora_backend": self.lora_backend,
         }
+        if self.memory_budget is not None:
+            kwargs["memory_budget"] = self.memory_budget
         if self.max_loaded_loras is not None:
             kwargs["max_adapters"] = self.max_loaded_loras
         if self.max_num_seqs is not None:
