@@ -147,6 +147,7 @@ class Engine:
                 dtype=self.dtype,
             )
             self.lora_backend = get_backend(backend_name, self.device)
+            self.manager.on_weights_ready = self._wake
         bytes_per_block = PagedKVCache.bytes_per_block(self.config, block_size, self.dtype)
         if num_kv_blocks is None:
             budget_bytes, budget_source = budget.resolve(self.device)
@@ -298,6 +299,11 @@ class Engine:
             self._cond.notify()
 
     # ------------------------------------------------------------------ adapters
+
+    def _wake(self) -> None:
+        """Wake the step loop (e.g. adapter weights it waited for are in memory now)."""
+        with self._cond:
+            self._cond.notify()
 
     def _require_manager(self) -> AdapterManager:
         if self.manager is None:
