@@ -100,12 +100,6 @@ class LoadResult:
     message: str
 
 
-def _adapter_errors() -> tuple[type[Exception], type[Exception], type[Exception]]:
-    from lorafleet_worker.lora.errors import AdapterError, AdapterNotFoundError, CapacityError
-
-    return AdapterError, AdapterNotFoundError, CapacityError
-
-
 class WorkerService:
     """Owns the engine and the adapter registry (name -> source URI) that both APIs share.
 
@@ -265,13 +259,12 @@ class WorkerService:
             raise APIError(e.status, e.message) from e
 
     async def _add_to_engine(self, engine: Engine, name: str, path: Path, *, replace: bool) -> None:
-        adapter_error, _, capacity_error = _adapter_errors()
+        from lorafleet_worker.lora.errors import LoRAError
+
         try:
             await engine.add_adapter(name, path, replace=replace)
-        except capacity_error as e:
-            raise APIError(507, str(e)) from e
-        except adapter_error as e:
-            raise APIError(400, str(e)) from e
+        except LoRAError as e:  # each carries its HTTP status (lora/errors.py)
+            raise APIError(e.status, e.message) from e
         except Exception as e:  # a bad adapter must never take the worker down
             log.exception("unexpected error while loading adapter %s from %s", name, path)
             raise APIError(500, f"internal error while loading adapter '{name}': {type(e).__name__}: {e}") from e
