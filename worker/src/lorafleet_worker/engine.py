@@ -133,6 +133,7 @@ class Engine:
         log.info("dtype %s: %s; LoRA backend %s: %s", dtype_name, why_dtype, backend_name, why_backend)
         self.lora_backend_name = backend_name
         max_num_batched_tokens = max_num_batched_tokens or max(2048, max_num_seqs)
+        free_at_start = free_device_memory(self.device)  # CUDA: before the LoRA slots and weights take theirs
         self.max_loras = max_loras
         self.manager: AdapterManager | None = None
         self.lora_backend: LoRABackend | None = None
@@ -148,25 +149,9 @@ class Engine:
             )
             self.lora_backend = get_backend(backend_name, self.device)
             self.manager.on_weights_ready = self._wake
-        bytes_per_block = PagedKVCache.bytes_per_block(self.config, block_size, self.dtype)
         if num_kv_blocks is None:
-            budget_bytes, budget_source = budget.resolve(self.device)
-            self.memory_plan: MemoryPlan | None = plan_memory(
-                budget=budget_bytes,
-                budget_source=budget_source,
-                weights=weight_bytes(self.config, self.dtype),
-                lora=self.manager.pool.nbytes if self.manager is not None else 0,
-                activations=activation_bytes(
-                    self.config,
-                    max_num_batched_tokens=max_num_batched_tokens,
-                    max_num_seqs=max_num_seqs,
-                    dtype=self.dtype,
-                ),
-                bytes_per_block=bytes_per_block,
-                block_size=block_size,
-                max_model_len=self.max_model_len,
-                max_num_seqs=max_num_seqs,
-                free=free_device_memory(self.device),
+            self.memory_plan: MemoryPlan | None = self._plan_memory(
+                budget, free_at_start, block_size, max_num_seqs, max_num_batched_tokens
             )
             num_kv_blocks = self.memory_plan.kv_blocks
             log.info(self.memory_plan.describe(self.max_model_len))
@@ -202,6 +187,26 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _plan_memory(
+        self, budget: MemoryBudget, free: int | None, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> MemoryPlan:
+        """Share the memory budget out between weights, LoRA slots, activations and KV blocks (memory.py)."""
+        budget_bytes, budget_source = budget.resolve(self.device)
+        return plan_memory(
+            budget=budget_bytes,
+            budget_source=budget_source,
+            weights=weight_bytes(self.config, self.dtype),
+            lora=self.manager.pool.nbytes if self.manager is not None else 0,
+            activations=activation_bytes(
+                self.config, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=self.dtype
+            ),
+            bytes_per_block=PagedKVCache.bytes_per_block(self.config, block_size, self.dtype),
+            block_size=block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs,
+            free=free,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
