@@ -116,7 +116,7 @@ def test_engine_logs_its_choices_and_sizes_the_kv_cache_from_the_budget(
     text = caplog.text
     assert "dtype float32: the checkpoint's torch_dtype (float32) on CPU" in text
     assert "LoRA backend torch: cpu" in text
-    assert "memory budget 0.06 GiB (0.06 GiB as set): weights" in text
+    assert "memory budget 64.0 MiB (64.0 MiB as set): weights 0.5 MiB" in text
 
 
 def test_engine_refuses_a_budget_that_cannot_hold_one_sequence(tiny_models: Any) -> None:

@@ -61,10 +61,10 @@ class MemoryBudget:
     def resolve(self, device: torch.device) -> tuple[int, str]:
         """(bytes, a description for the log) on `device`."""
         if self.nbytes is not None:
-            return self.nbytes, f"{gib(self.nbytes)} as set"
+            return self.nbytes, f"{fmt_bytes(self.nbytes)} as set"
         fraction = self.fraction if self.fraction is not None else default_fraction(device)
         total, what = device_memory(device)
-        return int(total * fraction), f"{fraction:g} of {gib(total)} ({what})"
+        return int(total * fraction), f"{fraction:g} of {fmt_bytes(total)} ({what})"
 
 
 def default_fraction(device: torch.device) -> float:
@@ -117,8 +117,9 @@ def _cgroup_limit() -> int | None:
     return None
 
 
-def gib(n: float) -> str:
-    return f"{n / GiB:.2f} GiB"
+def fmt_bytes(n: float) -> str:
+    """`1.50 GiB`, `64.0 MiB`."""
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / (1 << 20):.1f} MiB"
 
 
 def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -163,8 +164,9 @@ class MemoryPlan:
 
     def describe(self, max_model_len: int) -> str:
         return (
-            f"memory budget {gib(self.budget)} ({self.budget_source}): weights {gib(self.weights)}, "
-            f"LoRA slots {gib(self.lora)}, activations ~{gib(self.activations)}, KV cache {gib(self.kv)} = "
+            f"memory budget {fmt_bytes(self.budget)} ({self.budget_source}): weights {fmt_bytes(self.weights)}, "
+            f"LoRA slots {fmt_bytes(self.lora)}, activations ~{fmt_bytes(self.activations)}, "
+            f"KV cache {fmt_bytes(self.kv)} = "
             f"{self.kv_blocks} blocks x {self.block_size} tokens ({self.kv_tokens} tokens, "
             f"{self.kv_tokens / max_model_len:.1f} sequences of max_model_len={max_model_len})"
         )
@@ -195,14 +197,15 @@ def plan_memory(
     blocks = min(max(left, 0) // bytes_per_block, max_num_seqs * per_seq)
     if blocks < per_seq:
         fits = blocks * block_size
-        where = f"budget {gib(budget)} ({budget_source})" + (
-            f", {gib(free)} free on the device" if free is not None and free - fixed < budget - fixed else ""
+        where = f"budget {fmt_bytes(budget)} ({budget_source})" + (
+            f", {fmt_bytes(free)} free on the device" if free is not None and free - fixed < budget - fixed else ""
         )
         raise MemoryBudgetError(
             f"the memory budget cannot hold one sequence of max_model_len={max_model_len}: {where} minus "
-            f"weights {gib(weights)}, LoRA slots {gib(lora)} and activations ~{gib(activations)} leaves "
-            f"{gib(max(left, 0))} for the KV cache, {fits} tokens, but one sequence needs "
-            f"{gib(per_seq * bytes_per_block)}. Raise {BUDGET_FLAGS}, or lower --max-model-len "
+            f"weights {fmt_bytes(weights)}, LoRA slots {fmt_bytes(lora)} and activations "
+            f"~{fmt_bytes(activations)} leaves "
+            f"{fmt_bytes(max(left, 0))} for the KV cache, {fits} tokens, but one sequence needs "
+            f"{fmt_bytes(per_seq * bytes_per_block)}. Raise {BUDGET_FLAGS}, or lower --max-model-len "
             f"(at most {fits} fits), --max-loras or --max-lora-rank (or serve a float32 model with --dtype bfloat16)."
         )
     return MemoryPlan(
