@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (tests.kernels.kernel_inputs)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import MIXED_RANKS, OUT_DIR, bench_adapter, bench_model, log, machine
 
@@ -124,9 +125,10 @@ def bench_lora(
     shape: LoRAShape, dtype: Any, device: Any, timer: Callable, peak: tuple[float, float] | None
 ) -> dict[str, Any]:
     import torch
-    from lorafleet_worker.kernels.testing import random_proj_weights
     from lorafleet_worker.lora.backend import TorchLoRABackend
     from lorafleet_worker.lora.triton_backend import TritonLoRABackend
+
+    from tests.kernels.kernel_inputs import random_proj_weights
 
     adapter_ranks = [shape.ranks[i % len(shape.ranks)] for i in range(shape.num_adapters)]
     n_slices = len(shape.widths)
@@ -187,7 +189,8 @@ def bench_attention(
 ) -> dict[str, Any]:
     import torch
     from lorafleet_worker.kernels.paged_attention import default_num_splits, paged_attention_decode
-    from lorafleet_worker.kernels.testing import random_paged_kv
+
+    from tests.kernels.kernel_inputs import random_paged_kv
 
     kv = random_paged_kv(
         [shape.context] * shape.batch,

@@ -1,5 +1,6 @@
 # GPU path (issue 6): Triton kernel benchmark. Needs a CUDA device; --dry-run checks the script on CPU.
-.PHONY: bench-gpu bench-gpu-dry-run test-kernels
+.PHONY: bench-gpu bench-gpu-dry-run test-kernels gpu-check
+GPU_CHECK_DIR ?= bench/gpu-check
 
 bench-gpu: setup-python  ## Triton kernels vs torch (GB/s, FLOP/s, % of peak) + e2e multi-LoRA decode tok/s (CUDA)
 	$(PY) bench/bench_gpu.py --out bench/gpu.json --markdown bench/gpu.md
@@ -9,3 +10,11 @@ bench-gpu-dry-run: setup-python  ## bench-gpu on CPU under the Triton interprete
 
 test-kernels: setup-python  ## Triton kernel tests (interpreter on CPU; compiled on a GPU); LORAFLEET_GPU_LARGE=1 adds large shapes
 	$(PY) -m pytest tests/kernels $(PYTEST_ARGS)
+
+gpu-check: setup-python  ## on a CUDA machine: every GPU test (a skip fails) and bench-gpu; results in $(GPU_CHECK_DIR)/
+	mkdir -p $(GPU_CHECK_DIR)
+	set -o pipefail; LORAFLEET_REQUIRE_GPU=1 LORAFLEET_GPU_LARGE=1 $(PY) -m pytest tests/kernels -v -rA \
+		--junitxml=$(GPU_CHECK_DIR)/tests.xml $(PYTEST_ARGS) 2>&1 | tee $(GPU_CHECK_DIR)/tests.log
+	set -o pipefail; $(PY) bench/bench_gpu.py --out $(GPU_CHECK_DIR)/gpu.json --markdown $(GPU_CHECK_DIR)/gpu.md \
+		2>&1 | tee $(GPU_CHECK_DIR)/bench.log
+	@echo "gpu-check: results in $(GPU_CHECK_DIR)/ (tests.log, tests.xml, gpu.json, gpu.md, bench.log)"

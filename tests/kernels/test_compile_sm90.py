@@ -1,12 +1,17 @@
 """Every kernel compiles for a real GPU (sm_90 cubin via ptxas) — the interpreter does not check that.
 
 No GPU is needed: Triton lowers to PTX and runs ptxas for the target. Block sizes are the ones the
-launchers pick for Llama-3-8B shapes.
+launchers pick for Llama-3-8B shapes. ptxas's resource report (`-v`) must show no register spills: a spill
+goes to local memory and costs far more than the kernel's own loads.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +21,7 @@ from lorafleet_worker.kernels import LazyKernel
 from lorafleet_worker.kernels import lora as L
 from lorafleet_worker.kernels import paged_attention as P
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.runtime.interpreter import InterpretedFunction
 
 FP32_PTRS = {"xa_ptr", "scalings_ptr", "m_ptr", "l_ptr", "part_ptr"}
@@ -78,6 +84,19 @@ def signature(fn: triton.JITFunction, consts: dict[str, object], dtype: str) -> 
     return sig
 
 
+def ptxas_usage(ptx: str, arch: str = "sm_90a") -> tuple[int, int, int]:
+    """(registers per thread, spill store bytes, spill load bytes) that ptxas reports for `ptx`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        cmd = [get_ptxas(90).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}", str(src), "-o", f"{src}.o"]
+        report = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert regs and spills, report
+    return int(regs[1]), int(spills[1]), int(spills[2])
+
+
 @pytest.mark.parametrize(("name", "kernel", "consts", "dtype", "num_warps"), CASES, ids=[c[0] for c in CASES])
 def test_compiles_for_sm90(
     name: str,
@@ -98,3 +117,5 @@ def test_compiles_for_sm90(
     src = triton.compiler.ASTSource(fn=fn, signature=signature(fn, consts, dtype), constexprs=consts)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     assert compiled.asm["cubin"], f"{name}: no cubin"
+    regs, spill_stores, spill_loads = ptxas_usage(compiled.asm["ptx"])
+    assert (spill_stores, spill_loads) == (0, 0), f"{name}: {regs} registers, spills {spill_stores}/{spill_loads} B"

@@ -1,4 +1,9 @@
-"""The engine with the Triton LoRA backend and attention kernel (interpreted on CPU) matches the torch path."""
+"""The engine with the Triton LoRA backend and attention kernel matches the torch path.
+
+On CPU the kernels run interpreted (fp32). With a CUDA GPU the compiled path runs end to end: the engine on
+`device="cuda"` with its defaults (`auto`: Triton kernels, bf16), mixed adapters in one batch, against the
+torch backend on the same GPU, in fp32 and bf16. Without CUDA those tests are skipped, never passed.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
 from lorafleet_worker.engine import Engine
 from lorafleet_worker.kernels import paged_attention
@@ -16,7 +22,10 @@ from lorafleet_worker.sampling import SamplingParams, TokenOutput
 
 PROMPT = [5, 17, 42, 99, 7, 63, 120, 11, 250, 31, 8, 77, 140, 3, 19, 56, 200, 64, 12, 90]
 MAX_TOKENS = 6
-LOGPROB_TOL = 1e-3  # fp32
+LOGPROB_TOL = {"float32": 1e-3, "bfloat16": 5e-2}
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled Triton path); run `make gpu-check` on one"
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +40,13 @@ def model_and_adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     return model, adapters
 
 
-async def _run(model: Path, adapters: dict[str, Path], backend: str) -> tuple[dict[str | None, list[TokenOutput]], int]:
-    engine = Engine(model, device="cpu", dtype="float32", max_loras=4, max_lora_rank=16, lora_backend=backend)
+Outputs = dict[str | None, list[TokenOutput]]
+
+
+async def _run(
+    model: Path, adapters: dict[str, Path], backend: str, device: str = "cpu", dtype: str = "float32"
+) -> tuple[Outputs, int]:
+    engine = Engine(model, device=device, dtype=dtype, max_loras=4, max_lora_rank=16, lora_backend=backend)
     assert engine.model.attn_backend == backend  # the paged-attention kernel goes with the Triton backend
     await engine.start()
     try:
@@ -50,39 +64,83 @@ async def _run(model: Path, adapters: dict[str, Path], backend: str) -> tuple[di
         await engine.stop()
 
 
+def _assert_parity(got: Outputs, want: Outputs, adapters: dict[str, Path], tol: float) -> None:
+    for name, expected in want.items():
+        assert [t.token_id for t in got[name]] == [t.token_id for t in expected], f"adapter {name}"
+        for g, e in zip(got[name], expected, strict=True):
+            assert abs(g.logprob - e.logprob) < tol, f"adapter {name}: {g.logprob} vs {e.logprob}"
+    # the adapters really change the output, so the comparison covers the LoRA path
+    base = [t.token_id for t in want[None]]
+    assert sum([t.token_id for t in want[n]] != base for n in adapters) >= 2
+
+
+class _KernelUse:
+    """Records which LoRA layouts and how many paged-attention launches a run used."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.layouts: set[bool] = set()
+        self.attn_calls = 0
+        pick_layout = TritonLoRABackend.use_gathered
+        attn_kernel = paged_attention.paged_attention_decode
+
+        def recording_pick(backend: TritonLoRABackend, batch: LoRABatchInfo) -> bool:
+            gathered = pick_layout(backend, batch)
+            self.layouts.add(gathered)
+            return gathered
+
+        def counting_attn(*args: Any, **kwargs: Any) -> Any:
+            self.attn_calls += 1
+            return attn_kernel(*args, **kwargs)
+
+        monkeypatch.setattr(TritonLoRABackend, "use_gathered", recording_pick)
+        monkeypatch.setattr(paged_attention, "paged_attention_decode", counting_attn)
+
+    def check(self) -> None:
+        assert self.layouts == {True, False}, "prefill should use the segmented and decode the gathered kernels"
+        assert self.attn_calls > 0
+
+
 async def test_triton_engine_matches_torch_on_a_mixed_adapter_batch(
     model_and_adapters: tuple[Path, dict[str, Path]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, adapters = model_and_adapters
     torch_out, _ = await _run(model, adapters, "torch")
-
-    layouts: set[bool] = set()
-    attn_calls = 0
-    pick_layout = TritonLoRABackend.use_gathered
-    attn_kernel = paged_attention.paged_attention_decode
-
-    def recording_pick(self: TritonLoRABackend, batch: LoRABatchInfo) -> bool:
-        gathered = pick_layout(self, batch)
-        layouts.add(gathered)
-        return gathered
-
-    def counting_attn(*args: Any, **kwargs: Any) -> Any:
-        nonlocal attn_calls
-        attn_calls += 1
-        return attn_kernel(*args, **kwargs)
-
-    monkeypatch.setattr(TritonLoRABackend, "use_gathered", recording_pick)
-    monkeypatch.setattr(paged_attention, "paged_attention_decode", counting_attn)
+    use = _KernelUse(monkeypatch)
     triton_out, max_adapters = await _run(model, adapters, "triton")
-
     assert max_adapters >= 2, "the requests never shared a step"
-    assert layouts == {True, False}, "prefill should use the segmented and decode the gathered kernels"
-    assert attn_calls > 0
-    for name, expected in torch_out.items():
-        got = triton_out[name]
-        assert [t.token_id for t in got] == [t.token_id for t in expected], f"adapter {name}"
-        for g, e in zip(got, expected, strict=True):
-            assert abs(g.logprob - e.logprob) < LOGPROB_TOL, f"adapter {name}: {g.logprob} vs {e.logprob}"
-    # the adapters really change the output, so the comparison covers the LoRA path
-    base = [t.token_id for t in torch_out[None]]
-    assert sum([t.token_id for t in torch_out[n]] != base for n in adapters) >= 2
+    use.check()
+    _assert_parity(triton_out, torch_out, adapters, LOGPROB_TOL["float32"])
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_compiled_triton_engine_on_cuda_matches_torch(
+    model_and_adapters: tuple[Path, dict[str, Path]], monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    model, adapters = model_and_adapters
+    torch_out, _ = await _run(model, adapters, "torch", device="cuda", dtype=dtype)
+    use = _KernelUse(monkeypatch)
+    triton_out, max_adapters = await _run(model, adapters, "triton", device="cuda", dtype=dtype)
+    assert max_adapters >= 2, "the requests never shared a step"
+    use.check()
+    _assert_parity(triton_out, torch_out, adapters, LOGPROB_TOL[dtype])
+
+
+@needs_cuda
+async def test_engine_defaults_on_cuda_are_the_compiled_triton_path_in_bf16(
+    model_and_adapters: tuple[Path, dict[str, Path]],
+) -> None:
+    model, adapters = model_and_adapters
+    engine = Engine(model, device="cuda", max_loras=4, max_lora_rank=16)  # dtype and lora_backend "auto"
+    assert engine.lora_backend_name == "triton" and engine.model.attn_backend == "triton"
+    assert engine.dtype == torch.bfloat16  # a float32 checkpoint is served in 16 bits on GPU
+    assert engine.kv.k_caches[0].is_cuda and engine.memory_plan is not None
+    assert engine.memory_plan.kv <= torch.cuda.mem_get_info()[1]
+    await engine.start()
+    try:
+        await engine.add_adapter("r16", adapters["r16"])
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        outs = [t async for t in engine.generate("r", PROMPT, params, adapter="r16")]
+        assert len(outs) == MAX_TOKENS and outs[-1].finish_reason == "length"
+    finally:
+        await engine.stop()

@@ -7,11 +7,12 @@ import os
 import pytest
 import torch
 from lorafleet_worker.kernels.lora import Segments, lora_expand, lora_shrink
-from lorafleet_worker.kernels.testing import random_proj_weights
 from lorafleet_worker.lora.backend import LoRAProjWeights, TorchLoRABackend
 from lorafleet_worker.lora.batch import build_batch_info
 from lorafleet_worker.lora.triton_backend import TritonLoRABackend
 from torch import Tensor
+
+from tests.kernels.kernel_inputs import random_proj_weights
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -9,7 +9,8 @@ from lorafleet_worker.kernels.paged_attention import (
     paged_attention_decode,
     paged_attention_decode_ref,
 )
-from lorafleet_worker.kernels.testing import random_paged_kv
+
+from tests.kernels.kernel_inputs import random_paged_kv
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -54,17 +54,21 @@ def test_cache_layout_and_grow_release() -> None:
     assert blocks == [] and kv.allocator.num_free == 2
 
 
-def test_default_num_blocks_fits_at_least_one_sequence_and_caps_memory() -> None:
-    cpu = torch.device("cpu")
-    n = PagedKVCache.default_num_blocks(
-        CONFIG, block_size=16, max_num_seqs=4, max_model_len=100, device=cpu, dtype=torch.float32
-    )
-    assert n == 4 * 7
-    huge = PagedKVCache.default_num_blocks(
-        CONFIG, block_size=16, max_num_seqs=10**6, max_model_len=1 << 16, device=cpu, dtype=torch.float32
-    )
-    assert huge * PagedKVCache.bytes_per_block(CONFIG, 16, torch.float32) <= 2 << 30
-    assert huge >= (1 << 16) // 16
+def test_pool_is_not_filled_up_front_but_handed_out_blocks_are_zeroed() -> None:
+    kv = PagedKVCache(CONFIG, num_blocks=6, block_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    assert kv.nbytes == 6 * PagedKVCache.bytes_per_block(CONFIG, 4, torch.float32)
+    assert all(torch.all(t[0] == 0) for t in (*kv.k_caches, *kv.v_caches))  # block 0 pads block tables
+    for t in (*kv.k_caches, *kv.v_caches):  # what uninitialised memory may hold
+        t.fill_(float("nan"))
+    one: list[int] = []
+    assert kv.grow(one, 3)  # one block
+    many: list[int] = []
+    assert kv.grow(many, 12)  # three blocks at once
+    handed_out = [*one, *many]
+    rest = sorted(set(range(6)) - set(handed_out))
+    for t in (*kv.k_caches, *kv.v_caches):
+        assert torch.all(t[handed_out] == 0)
+        assert torch.isnan(t[rest]).all()  # not touched: no pass over the whole pool
 
 
 def test_block_table_tensor_pads_with_zero() -> None:

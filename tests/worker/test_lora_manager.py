@@ -6,6 +6,7 @@ import contextlib
 import random
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -86,11 +87,19 @@ def _manager(config: ModelConfig, **kw) -> AdapterManager:
 
 
 def _use(manager: AdapterManager, name: str) -> int | None:
-    """Acquire, activate and release `name`; the slot it got."""
+    """Acquire, activate and release `name` (waiting for its weights to be read back); the slot it got."""
     ref = manager.acquire(name)
+    _wait_for_weights(manager, ref)
     slot = manager.activate(ref)
     manager.release(ref)
     return slot
+
+
+def _wait_for_weights(manager: AdapterManager, ref: AdapterRef, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not manager.weights_ready(ref):
+        assert time.monotonic() < deadline, "weights were not read back"
+        time.sleep(0.01)
 
 
 def test_slots_are_lru(setup) -> None:
@@ -157,9 +166,42 @@ def test_cpu_tier_is_lru_and_reloads_from_disk(setup, tmp_path: Path) -> None:
     shutil.rmtree(gone)
     ref = m.acquire(evicted)
     with pytest.raises(AdapterError, match="does not exist"):
+        _wait_for_weights(m, ref)
+    with pytest.raises(AdapterError, match="does not exist"):
         m.activate(ref)
     m.release(ref)
     assert m.stats["slots_pinned"] == 0
+
+
+def test_reading_back_from_disk_holds_no_lock_and_runs_off_the_callers_thread(setup) -> None:
+    config, paths = setup
+    m = _manager(config, max_loras=2, max_cpu_loras=1)
+    m.load("a", paths["a"])
+    m.load("b", paths["b"])  # a leaves the CPU tier
+    reading, release = threading.Event(), threading.Event()
+    readers: list[str] = []
+    plain_read = m._read
+
+    def slow_read(path: Path) -> LoRAAdapter:
+        readers.append(threading.current_thread().name)
+        reading.set()
+        assert release.wait(60)
+        return plain_read(path)
+
+    m._read = slow_read  # type: ignore[method-assign]
+    woken = threading.Event()
+    m.on_weights_ready = woken.set
+    ref = m.acquire("a")
+    assert m.activate(ref) is None  # not in memory: the read starts in the background
+    assert reading.wait(60)
+    assert not m.weights_ready(ref) and m.activate(ref) is None  # still reading; no second read
+    assert _use(m, "b") is not None  # the manager's lock is free while the read blocks
+    assert m.stats["slots_pinned"] == 0 and not woken.is_set()
+    release.set()
+    assert woken.wait(60)
+    assert m.activate(ref) is not None and m.stats["reloads"] == 1
+    assert readers == ["lora-read-a"]
+    m.release(ref)
 
 
 def test_cpu_tier_keeps_weights_a_waiting_request_needs(setup, tmp_path: Path) -> None:
@@ -279,7 +321,9 @@ def test_concurrent_loads_and_requests_stay_consistent(setup) -> None:
                     ref = m.acquire(rng.choice(names))
                 except AdapterNotFoundError:
                     continue
-                if m.activate(ref) is None:
+                if not m.weights_ready(ref):  # being read back from disk in the background
+                    m.release(ref)
+                elif m.activate(ref) is None:
                     assert m.stats["slots_pinned"] == 2
                     m.release(ref)
                 else:

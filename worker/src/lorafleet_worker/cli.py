@@ -41,6 +41,16 @@ def _port(value: str) -> int:
     return n
 
 
+def _memory_budget(value: str) -> str:
+    from lorafleet_worker.memory import MemoryBudget
+
+    try:
+        MemoryBudget.parse(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lorafleet-worker", description="Multi-LoRA inference worker (OpenAI API + Dynamo LoRA management API)."
@@ -78,9 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", metavar="DEVICE", default="cpu", help="cpu or cuda[:N] (default cpu)")
     serve.add_argument(
         "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto"],
-        help="weights and activations (default float32; auto = float32 on CPU, the checkpoint's on GPU)",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+        help="weights and activations (default auto: the checkpoint's torch_dtype; float32 checkpoints in "
+        "bf16 on GPU; on CPU bf16 only with AMX/AVX512-BF16, else float32)",
+    )
+    serve.add_argument(
+        "--memory-budget",
+        "--gpu-memory-utilization",
+        dest="memory_budget",
+        metavar="BUDGET",
+        type=_memory_budget,
+        help="memory for weights, LoRA slots, activations and the KV cache: a fraction of the device's memory "
+        "(of the container's limit or RAM on CPU) or a size such as 8GiB (default 0.9 on GPU, 0.8 on CPU)",
     )
     serve.add_argument(
         "--max-loras",
@@ -108,7 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-model-len", metavar="N", type=_positive, help="context length (default: the model's)")
     serve.add_argument(
-        "--lora-backend", default="torch", choices=["torch", "triton"], help="LoRA kernels (default torch)"
+        "--lora-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="LoRA kernels (default auto: triton, with the paged-attention kernel, on CUDA; torch on CPU)",
     )
     serve.add_argument(
         "--lora-cache-dir",
@@ -157,19 +180,6 @@ def _admin_token(token_file: Path | None) -> str | None:
     return os.environ.get("LORAFLEET_ADMIN_TOKEN", "").strip() or None
 
 
-def _resolve_dtype(name: str, model_dir: Path, device: str) -> str:
-    """fp32/bf16/fp16 aliases; `auto` = float32 on CPU, the checkpoint's dtype (fp16/bf16) on GPU."""
-    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-    if name != "auto":
-        return aliases.get(name, name)
-    if not device.startswith("cuda"):
-        return "float32"
-    from lorafleet_worker.config import ModelConfig
-
-    stored = ModelConfig.from_dir(model_dir).torch_dtype or ""
-    return stored if stored in ("bfloat16", "float16") else "bfloat16"
-
-
 def _chat_template(value: str | None) -> str | None:
     """--chat-template as vLLM reads it: a file's content, else the template text itself."""
     if value is None:
@@ -188,7 +198,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"lorafleet-worker: {args.model} is not a Hugging Face model directory (no config.json)")
-    dtype = _resolve_dtype(args.dtype, args.model, args.device)
     settings = WorkerSettings(
         model_dir=args.model,
         served_model_name=args.served_model_name or str(args.model),
@@ -196,7 +205,8 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         system_port=args.system_port,
         device=args.device,
-        dtype=dtype,
+        dtype=args.dtype,
+        memory_budget=args.memory_budget,
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,
         max_lora_rank=args.max_lora_rank,

@@ -21,10 +21,19 @@ import torch
 from torch import Tensor
 
 from lorafleet_worker.config import ModelConfig
+from lorafleet_worker.devices import resolve_dtype, resolve_lora_backend
 from lorafleet_worker.kv_cache import PagedKVCache
 from lorafleet_worker.lora.backend import LoRABackend, get_backend
 from lorafleet_worker.lora.errors import AdapterNotFoundError, CapacityError
 from lorafleet_worker.lora.manager import AdapterManager
+from lorafleet_worker.memory import (
+    MemoryBudget,
+    MemoryPlan,
+    activation_bytes,
+    free_device_memory,
+    plan_memory,
+    weight_bytes,
+)
 from lorafleet_worker.model import LoRAContext, Transformer, parse_dtype
 from lorafleet_worker.sampling import SamplingParams, TokenOutput, make_generator, prompt_logprobs, sample
 from lorafleet_worker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan, build_forward_batch
@@ -69,6 +78,19 @@ def _check_device(device: torch.device, lora_backend: str) -> None:
             raise ValueError("the triton LoRA backend needs --device cuda (or TRITON_INTERPRET=1 for tests)")
 
 
+def _max_model_len(config: ModelConfig, requested: int | None) -> int:
+    """`requested`, else the model's max_position_embeddings; above it is an error (as in vLLM)."""
+    limit = config.max_position_embeddings
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"--max-model-len {requested} is larger than the model's max_position_embeddings ({limit}, "
+            "config.json): positions beyond it were never trained; lower --max-model-len"
+        )
+    return requested
+
+
 class _Request:
     """The event-loop side of one request: its output queue and completion event."""
 
@@ -84,38 +106,43 @@ class Engine:
         model_dir: Path,
         *,
         device: str = "cpu",
-        dtype: str = "float32",
+        dtype: str = "auto",
         max_loras: int = 8,
         max_cpu_loras: int = 64,
         max_lora_rank: int = 64,
         max_adapters: int | None = None,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
-        lora_backend: str = "torch",
+        lora_backend: str = "auto",
+        memory_budget: str | float | None = None,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         max_num_batched_tokens: int | None = None,
         slot_aging_s: float = 1.0,
     ) -> None:
+        """`dtype` / `lora_backend` "auto": see devices.py; `memory_budget` (a fraction or a size, see
+        memory.py) sizes the KV cache unless `num_kv_blocks` is given."""
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.device = torch.device(device)
-        self.dtype = parse_dtype(dtype)
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings, 1 << 20)
         if max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
+        self.max_model_len = _max_model_len(self.config, max_model_len)
+        budget = MemoryBudget.parse(memory_budget) if memory_budget is not None else MemoryBudget()
         _check_device(self.device, lora_backend)
-        # The Triton paged-attention kernel goes with the Triton LoRA backend (on CUDA, or interpreted in tests).
-        attn_backend = "triton" if lora_backend == "triton" else "torch"
-        self.model = Transformer.from_pretrained(
-            self.model_dir, device=self.device, dtype=self.dtype, config=self.config, attn_backend=attn_backend
-        )
-        self.max_loras = max_loras  # the slot pool is allocated before the KV cache takes what is left
+        dtype_name, why_dtype = resolve_dtype(dtype, self.config.torch_dtype, self.device)
+        backend_name, why_backend = resolve_lora_backend(lora_backend, self.device)
+        self.dtype = parse_dtype(dtype_name)
+        log.info("dtype %s: %s; LoRA backend %s: %s", dtype_name, why_dtype, backend_name, why_backend)
+        self.lora_backend_name = backend_name
+        max_num_batched_tokens = max_num_batched_tokens or max(2048, max_num_seqs)
+        free_at_start = free_device_memory(self.device)  # CUDA: before the LoRA slots and weights take theirs
+        self.max_loras = max_loras
         self.manager: AdapterManager | None = None
         self.lora_backend: LoRABackend | None = None
-        if max_loras > 0:
+        if max_loras > 0:  # the slot pool is allocated before the KV cache takes what is left
             self.manager = AdapterManager(
                 self.config,
                 max_loras=max_loras,
@@ -125,29 +152,34 @@ class Engine:
                 device=self.device,
                 dtype=self.dtype,
             )
-            self.lora_backend = get_backend(lora_backend, self.device)
+            self.lora_backend = get_backend(backend_name, self.device)
+            self.manager.on_weights_ready = self._wake
         if num_kv_blocks is None:
-            num_kv_blocks = PagedKVCache.default_num_blocks(
-                self.config,
-                block_size=block_size,
-                max_num_seqs=max_num_seqs,
-                max_model_len=self.max_model_len,
-                device=self.device,
-                dtype=self.dtype,
+            self.memory_plan: MemoryPlan | None = self._plan_memory(
+                budget, free_at_start, block_size, max_num_seqs, max_num_batched_tokens
             )
+            num_kv_blocks = self.memory_plan.kv_blocks
+            log.info(self.memory_plan.describe(self.max_model_len))
+        else:
+            self.memory_plan = None
+            if -(-self.max_model_len // block_size) > num_kv_blocks:
+                raise ValueError(
+                    f"num_kv_blocks={num_kv_blocks} x block_size={block_size} cannot hold one sequence of "
+                    f"max_model_len={self.max_model_len}"
+                )
+        # The Triton paged-attention kernel goes with the Triton LoRA backend (on CUDA, or interpreted in tests).
+        attn_backend = "triton" if backend_name == "triton" else "torch"
+        self.model = Transformer.from_pretrained(
+            self.model_dir, device=self.device, dtype=self.dtype, config=self.config, attn_backend=attn_backend
+        )
         self.kv = PagedKVCache(
             self.config, num_blocks=num_kv_blocks, block_size=block_size, device=self.device, dtype=self.dtype
         )
-        if self.kv.blocks_for(self.max_model_len) > num_kv_blocks:
-            raise ValueError(
-                f"num_kv_blocks={num_kv_blocks} x block_size={block_size} cannot hold one sequence of "
-                f"max_model_len={self.max_model_len}"
-            )
         self.scheduler = Scheduler(
             self.kv,
             self.manager,
             max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(2048, max_num_seqs),
+            max_num_batched_tokens=max_num_batched_tokens,
             max_loras=max_loras,
             slot_aging_s=slot_aging_s,
         )
@@ -160,6 +192,26 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _plan_memory(
+        self, budget: MemoryBudget, free: int | None, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> MemoryPlan:
+        """Share the memory budget out between weights, LoRA slots, activations and KV blocks (memory.py)."""
+        budget_bytes, budget_source = budget.resolve(self.device)
+        return plan_memory(
+            budget=budget_bytes,
+            budget_source=budget_source,
+            weights=weight_bytes(self.config, self.dtype),
+            lora=self.manager.pool.nbytes if self.manager is not None else 0,
+            activations=activation_bytes(
+                self.config, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=self.dtype
+            ),
+            bytes_per_block=PagedKVCache.bytes_per_block(self.config, block_size, self.dtype),
+            block_size=block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs,
+            free=free,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -257,6 +309,11 @@ class Engine:
             self._cond.notify()
 
     # ------------------------------------------------------------------ adapters
+
+    def _wake(self) -> None:
+        """Wake the step loop (e.g. adapter weights it waited for are in memory now)."""
+        with self._cond:
+            self._cond.notify()
 
     def _require_manager(self) -> AdapterManager:
         if self.manager is None:

@@ -3,6 +3,11 @@
 Layout per layer (read by the Triton paged-attention kernel too):
 `k_cache`, `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`. A sequence owns a list
 of block ids; token `p` of the sequence lives at `blocks[p // block_size]`, offset `p % block_size`.
+
+The pool is allocated with `torch.empty` (no up-front fill of what may be many GiB). Attention masks the
+positions of a block beyond a sequence's length, but a masked weight of 0 times a NaN left in uninitialised
+memory is still NaN, so a block is zeroed when it is handed out (`grow`), and block 0, which pads block
+tables, is zeroed at start. What a sequence can read is then always finite: zeros or K/V it wrote.
 """
 
 from __future__ import annotations
@@ -11,9 +16,6 @@ import torch
 from torch import Tensor
 
 from lorafleet_worker.config import ModelConfig
-
-DEFAULT_CPU_KV_BYTES = 2 << 30  # cap for the default cache size on CPU
-CUDA_FREE_FRACTION = 0.85  # share of free GPU memory the default cache may take
 
 
 class BlockAllocator:
@@ -57,10 +59,27 @@ class PagedKVCache:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.k_caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.v_caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        shape = (config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self._k = torch.empty(shape, device=device, dtype=dtype)  # every layer's blocks, zeroed when handed out
+        self._v = torch.empty(shape, device=device, dtype=dtype)
+        self.k_caches = list(self._k.unbind(0))  # contiguous per-layer views
+        self.v_caches = list(self._v.unbind(0))
         self.allocator = BlockAllocator(num_blocks)
+        self._zero([0])  # block 0 pads block tables
+
+    @property
+    def nbytes(self) -> int:
+        return self._k.nbytes + self._v.nbytes
+
+    def _zero(self, blocks: list[int]) -> None:
+        """Zero `blocks` of every layer (one op for K and one for V)."""
+        if len(blocks) == 1:
+            self._k[:, blocks[0]].zero_()
+            self._v[:, blocks[0]].zero_()
+            return
+        ids = torch.tensor(blocks, dtype=torch.int64).to(self._k.device, non_blocking=True)
+        self._k.index_fill_(1, ids, 0)
+        self._v.index_fill_(1, ids, 0)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -73,6 +92,7 @@ class PagedKVCache:
         new = self.allocator.allocate(need)
         if new is None:
             return False
+        self._zero(new)
         blocks.extend(new)
         return True
 
@@ -85,28 +105,6 @@ class PagedKVCache:
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * config.num_hidden_layers * block_size * config.kv_size * elem
-
-    @classmethod
-    def default_num_blocks(
-        cls,
-        config: ModelConfig,
-        *,
-        block_size: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> int:
-        """Enough blocks for max_num_seqs full-length sequences, capped by memory (never below one sequence)."""
-        per_seq = -(-max_model_len // block_size)
-        wanted = max_num_seqs * per_seq
-        per_block = cls.bytes_per_block(config, block_size, dtype)
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * CUDA_FREE_FRACTION)
-        else:
-            budget = DEFAULT_CPU_KV_BYTES
-        return max(per_seq, min(wanted, budget // per_block))
 
 
 def block_table_tensor(tables: list[list[int]], device: torch.device) -> Tensor:

@@ -9,7 +9,8 @@ GPU slot (pinned until the sequence ends), so a step never holds more distinct a
 are slots (`max_loras`). A sequence that cannot get a slot waits and later ones may pass it, until
 it has waited `slot_aging_s`: from then on no new sequence that needs a slot is admitted, so slots
 drain to it (no starvation). Out of KV blocks, the newest running sequence is preempted (its blocks
-are freed and it is recomputed later; it keeps its slot and its queue position).
+are freed and it is recomputed later; it keeps its slot and its queue position). A sequence whose
+adapter weights are being read back from disk (`manager.weights_ready`) waits without holding anything.
 """
 
 from __future__ import annotations
@@ -214,6 +215,8 @@ class Scheduler:
                 break  # FIFO on memory: later sequences do not overtake one that does not fit
             if seq.ref is not None:
                 try:
+                    if needs_slot and not self.manager.weights_ready(seq.ref):
+                        continue  # read back from disk off this thread; the others keep running
                     slot = seq.slot if seq.slot >= 0 else self.manager.activate(seq.ref)
                 except Exception as exc:  # e.g. the adapter's files vanished before a reload
                     self.finish(seq, "abort")

@@ -39,14 +39,15 @@ class WorkerSettings:
     port: int = 8000
     system_port: int = 9090
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
+    memory_budget: str | None = None  # a fraction of device memory or a size (None: the device's default)
     max_loras: int = 8
     max_cpu_loras: int = 64
     max_lora_rank: int = 64
     max_loaded_loras: int | None = None  # most adapters registered at once (None: unlimited)
     max_num_seqs: int | None = None
     max_model_len: int | None = None
-    lora_backend: str = "torch"
+    lora_backend: str = "auto"
     lora_cache_dir: Path | None = None
     admin_token: str | None = None
     lora_enabled: bool = True
@@ -61,6 +62,8 @@ class WorkerSettings:
             "max_lora_rank": self.max_lora_rank,
             "lora_backend": self.lora_backend,
         }
+        if self.memory_budget is not None:
+            kwargs["memory_budget"] = self.memory_budget
         if self.max_loaded_loras is not None:
             kwargs["max_adapters"] = self.max_loaded_loras
         if self.max_num_seqs is not None:
@@ -96,12 +99,6 @@ class LoadResult:
     lora_name: str
     lora_id: int
     message: str
-
-
-def _adapter_errors() -> tuple[type[Exception], type[Exception], type[Exception]]:
-    from lorafleet_worker.lora.errors import AdapterError, AdapterNotFoundError, CapacityError
-
-    return AdapterError, AdapterNotFoundError, CapacityError
 
 
 class WorkerService:
@@ -268,13 +265,12 @@ class WorkerService:
             raise APIError(e.status, e.message) from e
 
     async def _add_to_engine(self, engine: Engine, name: str, path: Path, *, replace: bool) -> None:
-        adapter_error, _, capacity_error = _adapter_errors()
+        from lorafleet_worker.lora.errors import LoRAError
+
         try:
             await engine.add_adapter(name, path, replace=replace)
-        except capacity_error as e:
-            raise APIError(507, str(e)) from e
-        except adapter_error as e:
-            raise APIError(400, str(e)) from e
+        except LoRAError as e:  # each carries its HTTP status (lora/errors.py)
+            raise APIError(e.status, e.message) from e
         except Exception as e:  # a bad adapter must never take the worker down
             log.exception("unexpected error while loading adapter %s from %s", name, path)
             raise APIError(500, f"internal error while loading adapter '{name}': {type(e).__name__}: {e}") from e

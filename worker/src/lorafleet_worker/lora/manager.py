@@ -4,13 +4,20 @@ Life of an adapter version: `load` validates it and puts its weights in the CPU 
 takes a reference on the name's current version (a request holds it until `release`); `activate`
 puts the version in a GPU slot and pins the slot. A pinned slot is never evicted. A version that
 was replaced (hot swap) or removed lives on until its last reference is released.
+
+Disk reads never happen under the manager's lock nor on the caller of `activate` (the engine step):
+`load` reads before taking the lock, and a version whose weights the CPU tier dropped is read back by
+a background thread that `weights_ready` starts; the step skips its requests until the weights are
+there (`on_weights_ready` then wakes it), while every other request keeps decoding.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +27,8 @@ from ..config import ModelConfig
 from .adapter import LoRAAdapter
 from .errors import AdapterError, AdapterNotFoundError, CapacityError
 from .pool import LoRAPool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -32,6 +41,8 @@ class _Version:
     pins: int = 0  # activated AdapterRefs (pins `slot`)
     slot: int | None = None
     retired: bool = False  # replaced or removed: no new refs; freed when refs reaches 0
+    reading: bool = False  # a background thread is reading the weights back from disk
+    read_error: AdapterError | None = None  # the last background read failed
 
 
 @dataclass(eq=False)
@@ -76,6 +87,7 @@ class AdapterManager:
         self._slot_lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
         self._ids = itertools.count(1)
         self._counters = {"loads": 0, "reloads": 0, "evictions": 0, "cpu_evictions": 0, "removals": 0}
+        self.on_weights_ready: Callable[[], None] | None = None  # called (on the reading thread) after a reload
 
     # ----- registry -------------------------------------------------------------------------------
 
@@ -128,13 +140,49 @@ class AdapterManager:
             if v is None:
                 raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
             v.refs += 1
+            v.read_error = None  # a new request tries a failed read again
             return AdapterRef(name=name, _version=v)
 
-    def activate(self, ref: AdapterRef) -> int | None:
-        """Put `ref`'s version in a GPU slot and pin it; None when every slot is pinned.
+    def weights_ready(self, ref: AdapterRef) -> bool:
+        """True when `ref`'s weights are in memory (CPU tier or a slot). Otherwise start reading them back
+        from disk in a background thread (once) and return False; AdapterError if that read failed."""
+        with self._lock:
+            v = ref._version
+            if v.adapter is not None or v.slot is not None:
+                return True
+            if v.read_error is not None:
+                raise v.read_error
+            if not v.reading:
+                v.reading = True
+                threading.Thread(target=self._read_back, args=(v,), name=f"lora-read-{v.name}", daemon=True).start()
+            return False
 
-        Idempotent per ref. Raises AdapterError if the CPU tier had dropped the weights and
-        reloading them from disk fails.
+    def _read_back(self, v: _Version) -> None:
+        """Background thread: read `v`'s weights from disk (no lock held), then put them in the CPU tier."""
+        try:
+            adapter: LoRAAdapter | None = self._read(v.path)
+            error = None
+        except AdapterError as e:
+            adapter, error = None, e
+        except Exception as e:  # a damaged file must fail its requests, not kill the thread silently
+            log.exception("reading adapter %s back from %s failed", v.name, v.path)
+            adapter, error = None, AdapterError(f"cannot read adapter {v.name!r} back: {type(e).__name__}: {e}")
+        with self._lock:
+            v.reading = False
+            v.read_error = error
+            if adapter is not None and v.refs > 0 and v.adapter is None:
+                v.adapter = adapter
+                self._counters["reloads"] += 1
+                self._cpu_put(v)
+        callback = self.on_weights_ready
+        if callback is not None:
+            callback()
+
+    def activate(self, ref: AdapterRef) -> int | None:
+        """Put `ref`'s version in a GPU slot and pin it; None when every slot is pinned, or when its
+        weights are not in memory yet (see `weights_ready`, which the caller asks first).
+
+        Idempotent per ref. Raises AdapterError if reading the weights back from disk failed.
         """
         with self._lock:
             if ref.released:
@@ -142,6 +190,8 @@ class AdapterManager:
             v = ref._version
             if ref.slot is None:
                 if v.slot is None:
+                    if not self.weights_ready(ref):
+                        return None
                     slot = self._free_slot()
                     if slot is None:
                         return None
@@ -224,12 +274,8 @@ class AdapterManager:
         return None
 
     def _install(self, v: _Version, slot: int) -> None:
-        if v.adapter is None:
-            v.adapter = self._read(v.path)
-            self._counters["reloads"] += 1
-            self._cpu_put(v)
-        else:
-            self._cpu.move_to_end(v.version)
+        assert v.adapter is not None, "weights_ready() comes first"
+        self._cpu.move_to_end(v.version)
         previous = self._slots[slot]
         if previous is not None:
             previous.slot = None

@@ -1,4 +1,4 @@
-"""Random inputs for the kernels, shared by the kernel tests and `bench/bench_gpu.py`.
+"""Random inputs for the Triton kernels, shared by the kernel tests and `bench/bench_gpu.py` (test code, not shipped).
 
 Entries a kernel must never read (A/B rows beyond an adapter's rank, cache positions beyond a sequence's
 length) can be filled with NaN ("poison"), so a kernel that reads them produces NaN instead of passing.
@@ -10,9 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
-
 from lorafleet_worker.lora.backend import LoRAProjWeights
+from torch import Tensor
 
 
 def random_proj_weights(
