@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (tests.kernels.kernel_inputs)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (bench.kernel_inputs)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import MIXED_RANKS, OUT_DIR, bench_adapter, bench_model, log, machine
 
@@ -128,7 +128,7 @@ def bench_lora(
     from lorafleet_worker.lora.backend import TorchLoRABackend
     from lorafleet_worker.lora.triton_backend import TritonLoRABackend
 
-    from tests.kernels.kernel_inputs import random_proj_weights
+    from bench.kernel_inputs import random_proj_weights
 
     adapter_ranks = [shape.ranks[i % len(shape.ranks)] for i in range(shape.num_adapters)]
     n_slices = len(shape.widths)
@@ -190,7 +190,7 @@ def bench_attention(
     import torch
     from lorafleet_worker.kernels.paged_attention import default_num_splits, paged_attention_decode
 
-    from tests.kernels.kernel_inputs import random_paged_kv
+    from bench.kernel_inputs import random_paged_kv
 
     kv = random_paged_kv(
         [shape.context] * shape.batch,

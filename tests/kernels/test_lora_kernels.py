@@ -12,7 +12,7 @@ from lorafleet_worker.lora.batch import build_batch_info
 from lorafleet_worker.lora.triton_backend import TritonLoRABackend
 from torch import Tensor
 
-from tests.kernels.kernel_inputs import random_proj_weights
+from bench.kernel_inputs import random_proj_weights
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

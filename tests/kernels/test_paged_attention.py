@@ -10,7 +10,7 @@ from lorafleet_worker.kernels.paged_attention import (
     paged_attention_decode_ref,
 )
 
-from tests.kernels.kernel_inputs import random_paged_kv
+from bench.kernel_inputs import random_paged_kv
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -1,4 +1,4 @@
-"""Random inputs for the Triton kernels, shared by the kernel tests and `bench/bench_gpu.py` (test code, not shipped).
+"""Random inputs for the Triton kernels, shared by `bench/bench_gpu.py` and the kernel tests (not shipped in any image).
 
 Entries a kernel must never read (A/B rows beyond an adapter's rank, cache positions beyond a sequence's
 length) can be filled with NaN ("poison"), so a kernel that reads them produces NaN instead of passing.
