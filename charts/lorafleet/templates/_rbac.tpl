@@ -45,7 +45,7 @@ ClusterRoles. They list exactly what the code calls (SPEC §7); no wildcards.
 {{- define "lorafleet.operatorSecretNames" -}}
 {{- $names := list }}
 {{- if .Values.adminToken.enabled }}{{ $names = append $names (include "lorafleet.adminTokenSecret" .) }}{{ end }}
-{{- if ne .Values.store.mode "none" }}{{ $names = append $names (include "lorafleet.storeSecret" .) }}{{ end }}
+{{- with include "lorafleet.storeSecret" . }}{{ $names = append $names . }}{{ end }}
 {{- with .Values.huggingface.tokenSecret }}{{ $names = append $names . }}{{ end }}
 {{- toJson $names }}
 {{- end }}
