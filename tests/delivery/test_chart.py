@@ -146,12 +146,33 @@ def test_rbac_is_least_privilege(rendered: tuple[str, list[Doc]]) -> None:
     if not cluster:
         assert {r["metadata"]["namespace"] for r in operator_roles} == set(watched)
         assert not find(docs, "ClusterRole") and not find(docs, "ClusterRoleBinding")
+    values = VALUE_SETS[name]
+    store_secret = values.get("store", {}).get("existingSecret") or f"{fullname(name)}-store"
+    elsewhere = cluster or set(watched) - {"lorafleet"}
+    copies = elsewhere and values.get("store", {}).get("mode") != "none"
     for role in operator_roles:
-        assert rules_by_resource([role]) == OPERATOR_RULES
+        rules = rules_by_resource([role])
+        if copies:  # the store Secret is copied where sync Jobs run: create, and get/update of its name
+            assert rules.pop(("", "secrets")) == {"create", "get", "update"}, name
+            named = [r for r in role["rules"] if r.get("resourceNames")]
+            assert named == [
+                {
+                    "apiGroups": [""],
+                    "resources": ["secrets"],
+                    "resourceNames": [store_secret],
+                    "verbs": ["get", "update"],
+                }
+            ]
+        assert rules == OPERATOR_RULES, name
     for role in router_roles:
         assert rules_by_resource([role]) == ROUTER_RULES
-    # Secrets: get by name, and create (for the Secrets the operator generates), in the release namespace only.
-    secret_rules = [(r, rule) for r in roles for rule in r["rules"] if "secrets" in rule["resources"]]
+    # Secrets otherwise: get by name, and create (for the Secrets the operator generates), in the release namespace only.
+    secret_rules = [
+        (r, rule)
+        for r in roles
+        for rule in r["rules"]
+        if "secrets" in rule["resources"] and r not in operator_roles + router_roles
+    ]
     for role, rule in secret_rules:
         assert role["kind"] == "Role" and role["metadata"]["namespace"] == "lorafleet"
         assert (rule["verbs"] == ["get"] and rule["resourceNames"]) or rule["verbs"] == ["create"]

@@ -27,7 +27,7 @@ from lorafleet_sync.errors import SourceError
 from lorafleet_sync.hf import HfSettings, resolve
 from lorafleet_sync.uris import S3URI, HfURI, is_commit_sha, synced_uri
 
-from lorafleet_operator import metrics
+from lorafleet_operator import metrics, store_credentials
 from lorafleet_operator import status as st
 from lorafleet_operator.kube import KubeClient, KubeError
 from lorafleet_operator.reconcile import Model, SyncResult
@@ -175,6 +175,8 @@ class SyncJobs:
         name = job_name(model.model_name, model.uri or str(source))
         path = f"/apis/batch/v1/namespaces/{model.namespace}/jobs"
         job = await self.kube.get(f"{path}/{name}")
+        if job is None or job_state(job)[0] == "running":  # the Job's pod reads the keys in its namespace
+            await store_credentials.ensure_copy(self.kube, self.settings.store_secret, model.namespace)
         if job is None:
             try:
                 sha = source.revision if is_commit_sha(source.revision) else await self._resolve(source)
