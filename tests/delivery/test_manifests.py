@@ -89,7 +89,7 @@ def test_a_namespace_override_moves_everything(overlay: str, tmp_path: Path) -> 
     """A kustomization with `namespace: team-x` over an overlay: every object, binding subject, watch
     setting and in-cluster address follows; nothing still points at the namespace "lorafleet"."""
     (tmp_path / "kustomization.yaml").write_text(
-        yaml.safe_dump({"namespace": "team-x", "resources": [str(MANIFESTS / overlay)]})
+        yaml.safe_dump({"namespace": "team-x", "resources": [os.path.relpath(MANIFESTS / overlay, tmp_path)]})
     )
     docs = kustomize(tmp_path)
     for d in docs:
