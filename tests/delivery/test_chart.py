@@ -166,7 +166,7 @@ def test_rbac_is_least_privilege(rendered: tuple[str, list[Doc]]) -> None:
         assert rules == OPERATOR_RULES, name
     for role in router_roles:
         assert rules_by_resource([role]) == ROUTER_RULES
-    # Secrets otherwise: get by name, and create (for the Secrets the operator generates), in the release namespace only.
+    # Other Secret rules: get by name, and create (Secrets the operator generates), in the release namespace.
     secret_rules = [
         (r, rule)
         for r in roles

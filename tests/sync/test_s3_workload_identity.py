@@ -33,7 +33,7 @@ class CredentialAgent:
         agent = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            def do_GET(self) -> None:
                 agent.calls.append(self.headers.get("Authorization", ""))
                 if self.headers.get("Authorization") != AGENT_TOKEN:
                     self.send_response(401)
