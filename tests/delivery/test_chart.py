@@ -463,8 +463,6 @@ def test_every_pod_is_restricted_with_pull_secrets_and_resources(rendered: tuple
         assert not restricted_violations(spec), (name, pod, restricted_violations(spec))
         assert spec["imagePullSecrets"] == [{"name": "regcred"}], (name, pod)
         for c in list(spec.get("initContainers", [])) + spec["containers"]:
-            if c["name"] == "worker" and not VALUE_SETS[name].get("workerDefaults", {}).get("resources"):
-                continue  # sized per model by the user; cuda groups still carry their GPU
             assert c.get("resources", {}).get("requests"), (name, pod, c["name"])
 
 

@@ -81,8 +81,7 @@ def test_every_chart_pod_is_admitted_with_pull_secrets_and_resources(release: Re
             assert not restricted_violations(spec), (component, restricted_violations(spec))
             assert spec["imagePullSecrets"] == [{"name": PULL_SECRET}], component
             for c in spec.get("initContainers", []) + spec["containers"]:
-                if component != "worker" or c["name"] != "worker":  # the worker is sized per model by the user
-                    assert c.get("resources", {}).get("requests"), (component, c["name"])
+                assert c.get("resources", {}).get("requests"), (component, c["name"])
     notes = release.helm("get", "notes", release.name).stdout
     commands = [line for line in notes.splitlines() if "kubectl " in line and "crd" not in line]
     assert commands and all(f"kubectl -n {release.namespace} " in line for line in commands), commands
