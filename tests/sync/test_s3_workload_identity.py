@@ -1,8 +1,9 @@
 """s3:// without static keys: boto3's default credential chain, against a real MinIO.
 
 The chain is fed the way EKS Pod Identity feeds a pod (`AWS_CONTAINER_CREDENTIALS_FULL_URI` and
-`AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE`, served here by a small real HTTP server), so the
-settings the chart gives workers and sync Jobs under workload identity (no key Secret) work.
+`AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE`, served here by a small real HTTP server handing out
+temporary credentials from MinIO's STS), so the settings the chart gives workers and sync Jobs
+under workload identity (no key Secret) work.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ AGENT_TOKEN = "pod-identity-token-123"
 class CredentialAgent:
     """The EKS Pod Identity agent's contract: GET with the token -> temporary credentials."""
 
-    def __init__(self, access_key: str, secret_key: str) -> None:
+    def __init__(self, credentials: dict[str, str]) -> None:
         self.calls: list[str] = []
         agent = self
 
@@ -39,9 +40,7 @@ class CredentialAgent:
                     self.send_response(401)
                     self.end_headers()
                     return
-                body = json.dumps(
-                    {"AccessKeyId": access_key, "SecretAccessKey": secret_key, "Expiration": "2099-01-01T00:00:00Z"}
-                ).encode()
+                body = json.dumps(credentials).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -71,9 +70,31 @@ def no_static_keys(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, minio: Minio
     return {"AWS_ENDPOINT_URL_S3": minio.url, "AWS_ALLOW_HTTP": "true", "AWS_REGION": "us-east-1"}
 
 
+def temporary_credentials(minio: MinioServer) -> dict[str, str]:
+    """Session credentials from MinIO's STS AssumeRole (what a cloud identity agent hands out)."""
+    import boto3
+
+    sts = boto3.client(
+        "sts",
+        endpoint_url=minio.url,
+        region_name="us-east-1",
+        aws_access_key_id=minio.access_key,
+        aws_secret_access_key=minio.secret_key,
+    )
+    creds = sts.assume_role(RoleArn="arn:minio:iam:::role/lorafleet", RoleSessionName="wi", DurationSeconds=900)
+    c = creds["Credentials"]
+    expiration = c["Expiration"].strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "AccessKeyId": c["AccessKeyId"],
+        "SecretAccessKey": c["SecretAccessKey"],
+        "Token": c["SessionToken"],
+        "Expiration": expiration,
+    }
+
+
 @pytest.fixture
 def agent(minio: MinioServer) -> Iterator[CredentialAgent]:
-    server = CredentialAgent(minio.access_key, minio.secret_key)
+    server = CredentialAgent(temporary_credentials(minio))
     yield server
     server.close()
 
