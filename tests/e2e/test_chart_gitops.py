@@ -50,16 +50,6 @@ def applied_versions(release: Release, text: str) -> dict[str, str]:
     }
 
 
-def deployments_ready(release: Release) -> bool:
-    items = release.cluster.get(f"/apis/apps/v1/namespaces/{release.namespace}/deployments")["items"]
-    return bool(items) and all(
-        (d.get("status") or {}).get("updatedReplicas", 0) == d["spec"]["replicas"]
-        and (d.get("status") or {}).get("readyReplicas", 0) == d["spec"]["replicas"]
-        and (d.get("status") or {}).get("replicas", 0) == d["spec"]["replicas"]
-        for d in items
-    )
-
-
 def generated_secrets(release: Release) -> dict[str, tuple[str, dict[str, str]]]:
     """name -> (uid, data) of the Secrets the operator generated."""
     out = {}
@@ -95,7 +85,7 @@ def test_gitops_sync_restart_keeps_credentials_and_models_ready(release: Release
     values = default_values(release.cluster, workers=2)
     # Sync 1: no workers yet (the local cluster needs MinIO's pod address as the store endpoint).
     sync(release, deep_merge(values, {"workers": []}))
-    wait_for(lambda: deployments_ready(release), 180, "operator, router and MinIO ready")
+    wait_for(release.rolled_out, 180, "operator, router and MinIO ready")
     assert not [
         s
         for s in release.cluster.get(f"/api/v1/namespaces/{release.namespace}/secrets")["items"]
@@ -110,7 +100,7 @@ def test_gitops_sync_restart_keeps_credentials_and_models_ready(release: Release
 
     values = with_endpoint()
     text = sync(release, values)
-    wait_for(lambda: deployments_ready(release), 240, "workers ready")
+    wait_for(release.rolled_out, 240, "workers ready")
     secrets = generated_secrets(release)
     token = secrets[f"{release.fullname}-admin-token"][1]["token"]
     assert len(token) == 48
@@ -128,7 +118,7 @@ def test_gitops_sync_restart_keeps_credentials_and_models_ready(release: Release
     old = {p["metadata"]["name"] for c in ("operator", "router", "worker", "minio") for p in release.pods(c)}
     release.kubectl("delete", "pod", "-l", "app.kubernetes.io/component=minio", "--wait=false")
     wait_for(
-        lambda: not {p["metadata"]["name"] for p in release.pods("minio")} & old and deployments_ready(release),
+        lambda: not {p["metadata"]["name"] for p in release.pods("minio")} & old and release.rolled_out(),
         180,
         "a new MinIO pod",
     )
@@ -140,7 +130,7 @@ def test_gitops_sync_restart_keeps_credentials_and_models_ready(release: Release
 
     def restarted() -> bool:
         now = {p["metadata"]["name"] for c in ("operator", "router", "worker", "minio") for p in release.pods(c)}
-        return not now & old and deployments_ready(release)
+        return not now & old and release.rolled_out()
 
     wait_for(restarted, 300, "every pod replaced and ready")
     assert generated_secrets(release) == secrets, "a restart or re-sync changed the generated credentials"
