@@ -28,6 +28,7 @@ import os
 import secrets
 import string
 from collections.abc import Mapping
+from typing import Any
 
 from lorafleet_operator.kube import KubeClient, KubeError
 
@@ -62,9 +63,8 @@ def random_value(length: int) -> str:
     return "".join(secrets.choice(_ALPHABET) for _ in range(length))
 
 
-def secret_manifest(name: str, namespace: str, keys: Mapping[str, int]) -> dict[str, object]:
-    """A new Secret with a fresh random value per key."""
-    data = {key: base64.b64encode(random_value(n).encode()).decode() for key, n in sorted(keys.items())}
+def operator_secret(name: str, namespace: str, data: Mapping[str, str]) -> dict[str, Any]:
+    """A Secret the operator owns (``data`` base64-encoded), labelled as such."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -74,8 +74,14 @@ def secret_manifest(name: str, namespace: str, keys: Mapping[str, int]) -> dict[
             "labels": {"app.kubernetes.io/managed-by": MANAGED_BY, "app.kubernetes.io/part-of": "lorafleet"},
         },
         "type": "Opaque",
-        "data": data,
+        "data": dict(data),
     }
+
+
+def secret_manifest(name: str, namespace: str, keys: Mapping[str, int]) -> dict[str, Any]:
+    """A new Secret with a fresh random value per key."""
+    data = {key: base64.b64encode(random_value(n).encode()).decode() for key, n in sorted(keys.items())}
+    return operator_secret(name, namespace, data)
 
 
 def decoded(secret: Mapping[str, object]) -> dict[str, str]:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import os
 
+from lorafleet_operator.bootstrap_secrets import MANAGED_BY, operator_secret
 from lorafleet_operator.kube import KubeClient, KubeError
 
 log = logging.getLogger(__name__)
 
 KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-MANAGED_BY = "lorafleet-operator"
 
 
 async def ensure_copy(kube: KubeClient, name: str, namespace: str, home: str | None = None) -> None:
@@ -37,17 +37,7 @@ async def ensure_copy(kube: KubeClient, name: str, namespace: str, home: str | N
         log.warning("store Secret %s/%s is missing or has no keys yet; sync Jobs in %s wait", home, name, namespace)
         return
     path = f"/api/v1/namespaces/{namespace}/secrets"
-    copy = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": {"app.kubernetes.io/managed-by": MANAGED_BY, "app.kubernetes.io/part-of": "lorafleet"},
-        },
-        "type": "Opaque",
-        "data": data,
-    }
+    copy = operator_secret(name, namespace, data)
     current = await kube.get(f"{path}/{name}")
     if current is None:
         try:
@@ -60,6 +50,6 @@ async def ensure_copy(kube: KubeClient, name: str, namespace: str, home: str | N
     current_meta = current.get("metadata") or {}
     ours = (current_meta.get("labels") or {}).get("app.kubernetes.io/managed-by") == MANAGED_BY
     if ours and {k: v for k, v in (current.get("data") or {}).items() if k in KEYS} != data:
-        copy["metadata"]["resourceVersion"] = current_meta.get("resourceVersion")  # type: ignore[index]
+        copy["metadata"]["resourceVersion"] = current_meta.get("resourceVersion")
         await kube.request("PUT", f"{path}/{name}", copy)
         log.info("updated the store Secret copy %s/%s (keys changed)", namespace, name)

@@ -1,5 +1,6 @@
-"""Run-time generated Secrets (bootstrap_secrets) against a real kube-apiserver: created once,
-never changed afterwards, the same values for racing operators, the admin token read back."""
+"""Secrets the operator writes, against a real kube-apiserver: generated ones (bootstrap_secrets:
+created once, never changed, the same values for racing operators, the admin token read back) and
+the store Secret's copies where sync Jobs run (store_credentials)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from lorafleet_operator import bootstrap_secrets as bs
+from lorafleet_operator import store_credentials
 from lorafleet_operator.kube import KubeClient
 
 from tests.infra.session import TestCluster, shared_cluster
@@ -70,3 +72,35 @@ async def test_an_existing_secret_is_used_as_it_is(cluster: TestCluster, kube: K
 def test_bad_specs_are_refused_with_the_variable_named(raw: str) -> None:
     with pytest.raises(ValueError, match=bs.SECRETS_ENV):
         bs.parse_wanted(raw)
+
+
+async def test_the_store_secret_is_copied_where_sync_jobs_run(cluster: TestCluster, kube: KubeClient) -> None:
+    home, team, other = (cluster.new_namespace(p) for p in ("home", "team", "other"))
+    keys = {"AWS_ACCESS_KEY_ID": "ak-1", "AWS_SECRET_ACCESS_KEY": "sk-1"}
+
+    def put(ns: str, data: dict[str, str], version: str | None = None) -> None:
+        body = {"metadata": {"name": "store", "resourceVersion": version}, "stringData": data}
+        if version is None:
+            cluster.kube.post(f"/api/v1/namespaces/{ns}/secrets", body)
+        else:
+            cluster.kube.put(f"/api/v1/namespaces/{ns}/secrets/store", body)
+
+    def values(ns: str) -> dict[str, str]:
+        data = cluster.get(f"/api/v1/namespaces/{ns}/secrets/store")["data"]
+        return {k: base64.b64decode(v).decode() for k, v in data.items()}
+
+    await store_credentials.ensure_copy(kube, "store", team, home)  # no source yet: nothing, no error
+    assert not cluster.exists(f"/api/v1/namespaces/{team}/secrets/store")
+    put(home, keys | {"unrelated": "x"})
+    await store_credentials.ensure_copy(kube, "store", team, home)
+    assert values(team) == keys, "only the store keys are copied"
+    # Rotated keys reach the copy; a Secret of that name that someone else made is left alone.
+    rotated = {"AWS_ACCESS_KEY_ID": "ak-2", "AWS_SECRET_ACCESS_KEY": "sk-2"}
+    put(home, rotated, cluster.get(f"/api/v1/namespaces/{home}/secrets/store")["metadata"]["resourceVersion"])
+    put(other, {"AWS_ACCESS_KEY_ID": "theirs", "AWS_SECRET_ACCESS_KEY": "theirs"})
+    for ns in (team, other):
+        await store_credentials.ensure_copy(kube, "store", ns, home)
+    assert values(team) == rotated
+    assert values(other)["AWS_ACCESS_KEY_ID"] == "theirs"
+    await store_credentials.ensure_copy(kube, "store", home, home)  # its own namespace: the original
+    assert values(home) == rotated
