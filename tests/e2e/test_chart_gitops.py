@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lorafleet_devcluster.session import TestCluster
+from lorafleet_devcluster.stack import BASE_MODEL, Release, deep_merge, default_values, manifest, wait_for
 from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
 
 from tests.delivery.helm import CHART, helm, values_args
-from tests.delivery.stack import BASE_MODEL, Release, deep_merge, default_values, manifest, wait_for
-from tests.infra.session import TestCluster
 
 ADAPTER_URI = "s3://adapters/support"
 GENERATED = ("admin-token", "store")

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from lorafleet_devcluster.hfhub import LocalHub
+from lorafleet_devcluster.session import TestCluster
+from lorafleet_devcluster.stack import Release, deep_merge, default_values, manifest, wait_for
 from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
 
 from tests.delivery.helm import restricted_violations
-from tests.delivery.stack import Release, deep_merge, default_values, manifest, wait_for
-from tests.infra.hfhub import LocalHub
-from tests.infra.session import TestCluster
 
 RESTRICTED = {
     "pod-security.kubernetes.io/enforce": "restricted",

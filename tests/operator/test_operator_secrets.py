@@ -10,11 +10,10 @@ import json
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from lorafleet_devcluster.session import TestCluster, shared_cluster
 from lorafleet_operator import bootstrap_secrets as bs
 from lorafleet_operator import store_credentials
 from lorafleet_operator.kube import KubeClient
-
-from tests.infra.session import TestCluster, shared_cluster
 
 WANTED = {"tok": {"token": 48}, "keys": {"AWS_ACCESS_KEY_ID": 20, "AWS_SECRET_ACCESS_KEY": 40}}
 

@@ -15,11 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from lorafleet_devcluster.minio import MinioServer
 from lorafleet_sync.errors import SourceError
 from lorafleet_sync.s3 import S3Settings
 from lorafleet_sync.sources import AdapterSources
-
-from tests.infra.minio import MinioServer
 
 from .conftest import read_tree, write_adapter
 
