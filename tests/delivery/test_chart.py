@@ -14,7 +14,20 @@ import pytest
 import yaml
 from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
 
-from tests.delivery.helm import CHART, ROOT, Doc, HelmError, containers, env_of, find, helm, one, template, values_args
+from tests.delivery.helm import (
+    CHART,
+    ROOT,
+    Doc,
+    HelmError,
+    containers,
+    env_of,
+    find,
+    helm,
+    one,
+    restricted_violations,
+    template,
+    values_args,
+)
 
 WORKERS: list[dict[str, Any]] = [
     {
@@ -31,6 +44,7 @@ WORKERS: list[dict[str, Any]] = [
         "resources": {"limits": {"nvidia.com/gpu": 1}},
     },
 ]
+TINY = {"generateTiny": True}
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "default": {},
     "workers": {"workers": WORKERS},
@@ -132,15 +146,38 @@ def test_rbac_is_least_privilege(rendered: tuple[str, list[Doc]]) -> None:
     if not cluster:
         assert {r["metadata"]["namespace"] for r in operator_roles} == set(watched)
         assert not find(docs, "ClusterRole") and not find(docs, "ClusterRoleBinding")
+    values = VALUE_SETS[name]
+    store_secret = values.get("store", {}).get("existingSecret") or f"{fullname(name)}-store"
+    elsewhere = cluster or set(watched) - {"lorafleet"}
+    copies = elsewhere and values.get("store", {}).get("mode") != "none"
     for role in operator_roles:
-        assert rules_by_resource([role]) == OPERATOR_RULES
+        rules = rules_by_resource([role])
+        if copies:  # the store Secret is copied where sync Jobs run: create, and get/update of its name
+            assert rules.pop(("", "secrets")) == {"create", "get", "update"}, name
+            named = [r for r in role["rules"] if r.get("resourceNames")]
+            assert named == [
+                {
+                    "apiGroups": [""],
+                    "resources": ["secrets"],
+                    "resourceNames": [store_secret],
+                    "verbs": ["get", "update"],
+                }
+            ]
+        assert rules == OPERATOR_RULES, name
     for role in router_roles:
         assert rules_by_resource([role]) == ROUTER_RULES
-    # Secrets: get only, by name, in the release namespace.
-    secret_rules = [(r, rule) for r in roles for rule in r["rules"] if "secrets" in rule["resources"]]
+    # Other Secret rules: get by name, and create (Secrets the operator generates), in the release namespace.
+    secret_rules = [
+        (r, rule)
+        for r in roles
+        for rule in r["rules"]
+        if "secrets" in rule["resources"] and r not in operator_roles + router_roles
+    ]
     for role, rule in secret_rules:
         assert role["kind"] == "Role" and role["metadata"]["namespace"] == "lorafleet"
-        assert rule["verbs"] == ["get"] and rule["resourceNames"]
+        assert (rule["verbs"] == ["get"] and rule["resourceNames"]) or rule["verbs"] == ["create"]
+    generated = any(e["name"] == "LORAFLEET_GENERATED_SECRETS" for e in operator_env(docs, name))
+    assert generated == any(rule["verbs"] == ["create"] for _, rule in secret_rules), name
     # Every binding points at a role of this chart and a ServiceAccount a Deployment runs as.
     accounts = {d["spec"]["template"]["spec"].get("serviceAccountName") for d in find(docs, "Deployment")}
     role_names = {(r["kind"], r["metadata"]["name"]) for r in roles}
@@ -149,6 +186,11 @@ def test_rbac_is_least_privilege(rendered: tuple[str, list[Doc]]) -> None:
         for subject in binding["subjects"]:
             assert subject["kind"] == "ServiceAccount" and subject["name"] in accounts
             assert subject["namespace"] == "lorafleet"
+
+
+def operator_env(docs: list[Doc], value_set: str) -> list[Doc]:
+    dep = one(docs, "Deployment", f"{fullname(value_set)}-operator")
+    return list(dep["spec"]["template"]["spec"]["containers"][0]["env"])
 
 
 def test_workers_carry_the_base_model_hash_and_both_ports() -> None:
@@ -181,10 +223,8 @@ def test_store_modes() -> None:
     config = one(minio, "ConfigMap", "lf-lorafleet-store")["data"]
     assert config["AWS_ENDPOINT_URL_S3"] == "http://lf-lorafleet-minio.lorafleet.svc:9000"
     assert config["AWS_ALLOW_HTTP"] == "true"
-    secret = one(minio, "Secret", "lf-lorafleet-store")
-    assert set(secret["data"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
     minio_env = env_of(one(minio, "Deployment", "lf-lorafleet-minio")["spec"]["template"]["spec"]["containers"][0])
-    assert "AWS_ACCESS_KEY_ID" in minio_env["MINIO_ROOT_USER"]
+    assert "lf-lorafleet-store" in minio_env["MINIO_ROOT_USER"] and "AWS_ACCESS_KEY_ID" in minio_env["MINIO_ROOT_USER"]
     external = template(VALUE_SETS["external-store"])
     assert not find(external, "Secret") and not find(external, "Deployment", "lf-lorafleet-minio")
     assert one(external, "ConfigMap", "lf-lorafleet-store")["data"]["AWS_ALLOW_HTTP"] == "false"
@@ -210,10 +250,17 @@ def test_given_secret_values_are_used() -> None:
         ({"rbac": {"scope": "everywhere"}}, "scope"),
         ({"workers": [{"name": "x"}]}, "baseModelName"),
         ({"workers": [{"name": "Bad_Name", "baseModelName": "m"}]}, "name"),
-        ({"store": {"mode": "external"}}, "store.existingSecret"),
+        ({"store": {"mode": "external", "accessKeyId": "ak"}}, "both accessKeyId and secretAccessKey"),
+        ({"workers": [{"name": "a", "baseModelName": "m"}]}, r"workers\[a\]: the model directory /models/model"),
+        ({"workers": [{"name": "a", "baseModelName": "m", "model": {"path": "/models/x"}}]}, "nothing is mounted"),
+        ({"image": {"worker": {"repository": "w", "digest": "latest"}}}, "digest"),
+        ({"workerDefaults": {"runtimeclassname": "nvidia"}}, "runtimeclassname"),
         ({"operator": {"defaultAdapterReplicas": 0}}, "defaultAdapterReplicas"),
         ({"routr": {}}, "routr"),
-        ({"workers": [{"name": "a", "baseModelName": "m"}, {"name": "a", "baseModelName": "m2"}]}, "unique"),
+        (
+            {"workers": [{"name": "a", "baseModelName": "m", "model": TINY}, {"name": "a", "baseModelName": "m2"}]},
+            "unique",
+        ),
         (
             {
                 "workers": [
@@ -252,9 +299,10 @@ def test_container_commands_are_the_image_clis() -> None:
 
 def test_operator_and_router_env_are_real_settings() -> None:
     """Every LORAFLEET_* variable the chart sets is one the operator's Settings reads."""
+    from lorafleet_operator.bootstrap_secrets import ADMIN_TOKEN_ENV, SECRETS_ENV
     from lorafleet_operator.settings import Settings
 
-    known = {f.metadata["env"] for f in dataclasses.fields(Settings)}
+    known = {f.metadata["env"] for f in dataclasses.fields(Settings)} | {SECRETS_ENV, ADMIN_TOKEN_ENV}
     docs = template(VALUE_SETS["external-store"] | {"workers": WORKERS})
     for name in ("lf-lorafleet-operator", "lf-lorafleet-router"):
         (c,) = one(docs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
@@ -286,3 +334,254 @@ def test_values_schema_documents_every_default() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     assert set(defaults) == set(schema["properties"])
+
+
+# -- GitOps: renders are pure functions of the values -------------------------------------------------
+def render_text(values: dict[str, Any]) -> str:
+    return helm("template", "lf", str(CHART), "--namespace", "lorafleet", "--include-crds", *values_args(values))
+
+
+def test_renders_are_byte_identical_and_read_no_cluster_state() -> None:
+    """Argo CD / Flux render with `helm template`: the same values must give the same bytes."""
+    for name, values in VALUE_SETS.items():
+        assert render_text(values) == render_text(values), f"{name}: two renders differ"
+    forbidden = (
+        "lookup",
+        "randAlpha",
+        "randNumeric",
+        "randAscii",
+        "randBytes",
+        "uuidv4",
+        "now",
+        "genCA",
+        "genPrivateKey",
+    )
+    for path in sorted((CHART / "templates").rglob("*")):
+        if path.is_file():
+            text = path.read_text()
+            used = [f for f in forbidden if f"{f} " in text or f"({f}" in text or f"{f})" in text]
+            assert not used, f"{path.name}: {used} makes renders depend on time, chance or the cluster"
+
+
+def test_credentials_are_generated_by_the_operator_not_rendered() -> None:
+    from lorafleet_operator.bootstrap_secrets import parse_wanted
+
+    docs = template({"workers": WORKERS})
+    assert not find(docs, "Secret"), "generated credentials are never rendered"
+    env = env_of(one(docs, "Deployment", "lf-lorafleet-operator")["spec"]["template"]["spec"]["containers"][0])
+    assert parse_wanted(env["LORAFLEET_GENERATED_SECRETS"]) == {
+        "lf-lorafleet-admin-token": {"token": 48},
+        "lf-lorafleet-store": {"AWS_ACCESS_KEY_ID": 20, "AWS_SECRET_ACCESS_KEY": 40},
+    }
+    assert env["LORAFLEET_ADMIN_TOKEN_SECRET"] == "lf-lorafleet-admin-token/token"
+    assert "LORAFLEET_ADMIN_TOKEN" not in env, "the operator must not wait for a Secret it creates"
+    worker = one(docs, "Deployment", "lf-lorafleet-worker-qwen")["spec"]["template"]["spec"]["containers"][0]
+    assert "lf-lorafleet-admin-token" in env_of(worker)["LORAFLEET_ADMIN_TOKEN"]
+    assert {"secretRef": {"name": "lf-lorafleet-store"}} in worker["envFrom"]
+    # Given values and existing Secrets are used as they are: nothing left to generate.
+    for values in (
+        VALUE_SETS["external-store"],
+        {"adminToken": {"value": "t"}, "store": {"accessKeyId": "a", "secretAccessKey": "b"}},
+    ):
+        env = env_of(
+            one(template(values), "Deployment", "lf-lorafleet-operator")["spec"]["template"]["spec"]["containers"][0]
+        )
+        assert "LORAFLEET_GENERATED_SECRETS" not in env and "LORAFLEET_ADMIN_TOKEN" in env
+
+
+# -- GPU defaults and escape hatches ----------------------------------------------------------------------
+def worker_pod(docs: list[Doc], group: str = "g") -> Doc:
+    return dict(one(docs, "Deployment", f"lf-lorafleet-worker-{group}")["spec"]["template"])
+
+
+def gpu_group(**extra: Any) -> dict[str, Any]:
+    volume = {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    return {"workers": [{"name": "g", "baseModelName": "m", "model": {"volume": volume}, **extra}]}
+
+
+def test_cuda_groups_request_one_gpu_unless_told_otherwise() -> None:
+    def limits(**extra: Any) -> dict[str, Any]:
+        return dict(
+            worker_pod(template(gpu_group(**extra)))["spec"]["containers"][0].get("resources", {}).get("limits", {})
+        )
+
+    assert limits() == {"nvidia.com/gpu": 1}
+    assert limits(resources={"limits": {"nvidia.com/gpu": 2, "memory": "40Gi"}}) == {
+        "nvidia.com/gpu": 2,
+        "memory": "40Gi",
+    }
+    assert limits(resources={"limits": {"nvidia.com/gpu": 0}}) == {}
+    assert limits(device="cpu") == {}
+    args = worker_pod(template(gpu_group()))["spec"]["containers"][0]["args"]
+    assert "--device=cuda" in args
+    assert not [a for a in args if a.startswith(("--dtype", "--lora-backend"))], (
+        "cuda groups use the worker's auto defaults"
+    )
+
+
+def test_worker_escape_hatches() -> None:
+    extra = {
+        "runtimeClassName": "nvidia",
+        "priorityClassName": "gpu-high",
+        "strategy": {"type": "Recreate"},
+        "shmSize": "8Gi",
+        "podLabels": {"team": "ml"},
+        "extraVolumes": [{"name": "weights", "persistentVolumeClaim": {"claimName": "w"}}],
+        "extraVolumeMounts": [{"name": "weights", "mountPath": "/weights", "readOnly": True}],
+        "model": {"path": "/weights/qwen"},  # the model lies on an extra mount: no model.volume needed
+    }
+    docs = template({"workers": [{"name": "g", "baseModelName": "m", **extra}]})
+    dep = one(docs, "Deployment", "lf-lorafleet-worker-g")
+    pod = dep["spec"]["template"]
+    spec = pod["spec"]
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert spec["runtimeClassName"] == "nvidia" and spec["priorityClassName"] == "gpu-high"
+    assert pod["metadata"]["labels"]["team"] == "ml"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert volumes["weights"]["persistentVolumeClaim"]["claimName"] == "w" and "model" not in volumes
+    mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
+    assert mounts["/dev/shm"] == "dshm" and mounts["/weights"] == "weights"
+    assert "--model=/weights/qwen" in spec["containers"][0]["args"]
+    # A model baked into the image (absolute path outside mountPath) needs no volume either.
+    baked = worker_pod(template({"workers": [{"name": "g", "baseModelName": "m", "model": {"path": "/opt/model"}}]}))
+    assert "--model=/opt/model" in baked["spec"]["containers"][0]["args"]
+    # Defaults: GPU nodes rarely have a spare GPU for a surge pod.
+    default = one(template(gpu_group()), "Deployment", "lf-lorafleet-worker-g")
+    assert default["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+
+
+# -- Pod Security restricted, pull secrets and resources everywhere -------------------------------------------
+def pod_specs(docs: list[Doc]) -> dict[str, Doc]:
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "Job")}
+
+
+def test_every_pod_is_restricted_with_pull_secrets_and_resources(rendered: tuple[str, list[Doc]]) -> None:
+    name, _ = rendered
+    docs = template(VALUE_SETS[name] | {"imagePullSecrets": [{"name": "regcred"}]})
+    for pod, spec in pod_specs(docs).items():
+        assert not restricted_violations(spec), (name, pod, restricted_violations(spec))
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}], (name, pod)
+        for c in list(spec.get("initContainers", [])) + spec["containers"]:
+            assert c.get("resources", {}).get("requests"), (name, pod, c["name"])
+
+
+def test_sync_job_pods_are_restricted_with_the_charts_settings() -> None:
+    """The operator's Settings, read from the env the chart renders, give restricted sync Job pods."""
+    from lorafleet_operator.reconcile import Model
+    from lorafleet_operator.settings import Settings
+    from lorafleet_operator.syncjob import job_manifest
+    from lorafleet_sync.uris import HfURI
+
+    values = {"imagePullSecrets": [{"name": "regcred"}], "global": {"imagePullSecrets": ["mirror"]}}
+    docs = template(values)
+    op = one(docs, "Deployment", "lf-lorafleet-operator")["spec"]["template"]["spec"]["containers"][0]
+    env = {k: v for k, v in env_of(op).items() if k.startswith("LORAFLEET_") and not v.startswith('{"')}
+    env |= {k: v for k, v in one(docs, "ConfigMap", "lf-lorafleet-store")["data"].items() if k.startswith("LORAFLEET_")}
+    env["LORAFLEET_SYNC_RESOURCES"] = env_of(op)["LORAFLEET_SYNC_RESOURCES"]
+    settings = Settings.from_sources(env=env)
+    model = Model.from_body(
+        {
+            "metadata": {"name": "m", "namespace": "lorafleet", "uid": "u1", "generation": 1},
+            "spec": {"modelName": "m", "baseModelName": "b", "modelType": "lora", "source": {"uri": "hf://o/r"}},
+        }
+    )
+    job = job_manifest(model, HfURI("o", "r", "main"), "0" * 40, settings)
+    spec = job["spec"]["template"]["spec"]
+    assert not restricted_violations(spec), restricted_violations(spec)
+    assert spec["imagePullSecrets"] == [{"name": "mirror"}, {"name": "regcred"}]
+    assert spec["serviceAccountName"] == "lf-lorafleet-sync"
+    assert spec["containers"][0]["resources"] == {
+        "requests": {"cpu": "100m", "memory": "256Mi"},
+        "limits": {"memory": "1Gi"},
+    }
+    sa = one(docs, "ServiceAccount", "lf-lorafleet-sync")
+    assert sa["metadata"]["namespace"] == "lorafleet" and sa["automountServiceAccountToken"] is False
+
+
+# -- workload identity ----------------------------------------------------------------------------------
+def test_workload_identity_without_static_keys() -> None:
+    role = {"eks.amazonaws.com/role-arn": "arn:aws:iam::111122223333:role/lorafleet"}
+    values = {
+        "store": {"mode": "external", "endpoint": "https://s3.us-east-1.amazonaws.com"},
+        "workerServiceAccount": {"annotations": role},
+        "operator": {"syncJob": {"serviceAccount": {"annotations": role}}},
+        "rbac": {"watchNamespaces": ["team-a", "team-b"]},
+    } | gpu_group()
+    docs = template(values)
+    assert not find(docs, "Secret")
+    assert one(docs, "ServiceAccount", "lf-lorafleet-worker")["metadata"]["annotations"] == role
+    sync = [sa for sa in find(docs, "ServiceAccount", "lf-lorafleet-sync")]
+    assert {sa["metadata"]["namespace"] for sa in sync} == {"team-a", "team-b"}
+    assert all(sa["metadata"]["annotations"] == role for sa in sync)
+    worker = worker_pod(docs)["spec"]["containers"][0]
+    assert worker["envFrom"] == [{"configMapRef": {"name": "lf-lorafleet-store"}}], "no key Secret: boto3's chain"
+    op = env_of(one(docs, "Deployment", "lf-lorafleet-operator")["spec"]["template"]["spec"]["containers"][0])
+    assert "LORAFLEET_STORE_SECRET" not in op and op["LORAFLEET_SYNC_SERVICE_ACCOUNT"] == "lf-lorafleet-sync"
+
+
+# -- conventions of well-kept charts ---------------------------------------------------------------------
+def test_conventions() -> None:
+    digest = "sha256:" + "a" * 64
+    values = {
+        "commonLabels": {"cost-center": "ml"},
+        "revisionHistoryLimit": 5,
+        "image": {"worker": {"repository": "lorafleet/worker", "tag": "1.0", "digest": digest}},
+        "global": {"imageRegistry": "mirror.example.com"},
+        "minio": {"persistence": {"enabled": True}},
+        "metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True, "interval": "15s"}},
+    } | gpu_group(replicas=3)
+    docs = template(values)
+    for d in docs:
+        if d["kind"] != "CustomResourceDefinition":
+            assert d["metadata"]["labels"]["cost-center"] == "ml", (d["kind"], d["metadata"]["name"])
+    for dep in find(docs, "Deployment"):
+        assert dep["spec"]["revisionHistoryLimit"] == 5
+        for c in containers(dep):
+            assert c["image"].startswith("mirror.example.com/"), c["image"]
+    assert worker_pod(docs)["spec"]["containers"][0]["image"] == f"mirror.example.com/lorafleet/worker:1.0@{digest}"
+    pvc = one(docs, "PersistentVolumeClaim", "lf-lorafleet-minio")
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    pdb = one(docs, "PodDisruptionBudget", "lf-lorafleet-worker-g")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= worker_pod(docs)["metadata"]["labels"].items()
+    (sm,) = find(docs, "ServiceMonitor")
+    metrics_svc = one(docs, "Service", "lf-lorafleet-operator-metrics")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= metrics_svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] == metrics_svc["spec"]["ports"][0]["name"]
+    monitors = {m["metadata"]["name"]: m["spec"] for m in find(docs, "PodMonitor")}
+    assert monitors["lf-lorafleet-worker"]["podMetricsEndpoints"] == [
+        {"port": "system", "path": "/metrics", "interval": "15s"}
+    ]
+    assert monitors["lf-lorafleet-router"]["podMetricsEndpoints"][0]["port"] == "http"
+    assert not find(template({}), "ServiceMonitor") and not find(template({}), "PodMonitor")
+
+
+def test_works_as_a_dependency_of_an_umbrella_chart(tmp_path: Path) -> None:
+    """`global` is accepted by the schema and read; values reach the chart under its name."""
+    umbrella = tmp_path / "platform"
+    (umbrella / "charts").mkdir(parents=True)
+    (umbrella / "Chart.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v2",
+                "name": "platform",
+                "version": "1.0.0",
+                "dependencies": [{"name": "lorafleet", "version": "0.1.0", "repository": f"file://{CHART}"}],
+            }
+        )
+    )
+    (umbrella / "values.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "global": {"imagePullSecrets": [{"name": "org-registry"}], "team": "platform"},
+                "lorafleet": {"fullnameOverride": "lorafleet", "router": {"replicas": 2}},
+            }
+        )
+    )
+    helm("dependency", "build", str(umbrella))
+    docs = [d for d in yaml.safe_load_all(helm("template", "p", str(umbrella), "--namespace", "infra")) if d]
+    router = one(docs, "Deployment", "lorafleet-router")
+    assert router["spec"]["replicas"] == 2
+    assert router["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "org-registry"}]
+    assert one(docs, "Role", "lorafleet-operator")["metadata"]["namespace"] == "infra"

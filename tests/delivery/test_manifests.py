@@ -17,7 +17,7 @@ MANIFESTS = ROOT / "manifests"
 GENERATED = ("base/lorafleet.yaml", "overlays/dev/generated.yaml")
 
 
-def kustomize(overlay: str) -> list[Doc]:
+def kustomize(overlay: str | Path) -> list[Doc]:
     done = subprocess.run(
         [str(tool_path("kubectl")), "kustomize", str(MANIFESTS / overlay)], capture_output=True, text=True, timeout=120
     )
@@ -67,7 +67,7 @@ def test_dev_overlay_runs_minio_and_a_tiny_worker(dev: list[Doc]) -> None:
     assert secret_refs == {"lorafleet-store"}
     assert {s["metadata"]["name"] for s in find(dev, "Secret")} == {"lorafleet-store", "lorafleet-admin-token"}
     store = one(dev, "ConfigMap", "lorafleet-store")["data"]
-    assert store["AWS_ENDPOINT_URL_S3"] == "http://lorafleet-minio.lorafleet.svc:9000"
+    assert store["AWS_ENDPOINT_URL_S3"] == "http://lorafleet-minio:9000"
     worker = one(dev, "Deployment", "lorafleet-worker-tiny")["spec"]["template"]["spec"]
     assert worker["initContainers"][0]["command"][:2] == ["lorafleet-worker", "make-tiny-model"]
     operator = one(dev, "Deployment", "lorafleet-operator")["spec"]["template"]["spec"]["containers"][0]
@@ -82,3 +82,26 @@ def test_production_overlay_uses_the_external_store(production: list[Doc]) -> No
     operator = one(production, "Deployment", "lorafleet-operator")["spec"]["template"]["spec"]["containers"][0]
     assert operator["image"] == env_of(operator)["LORAFLEET_SYNC_IMAGE"], "sync Jobs must run the operator image"
     assert not find(production, "ClusterRole")
+
+
+@pytest.mark.parametrize("overlay", ["overlays/dev", "overlays/production"])
+def test_a_namespace_override_moves_everything(overlay: str, tmp_path: Path) -> None:
+    """A kustomization with `namespace: team-x` over an overlay: every object, binding subject, watch
+    setting and in-cluster address follows; nothing still points at the namespace "lorafleet"."""
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump({"namespace": "team-x", "resources": [os.path.relpath(MANIFESTS / overlay, tmp_path)]})
+    )
+    docs = kustomize(tmp_path)
+    for d in docs:
+        if d["kind"] == "Namespace":
+            assert d["metadata"]["name"] == "team-x"
+        elif d["kind"] not in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"):
+            assert d["metadata"]["namespace"] == "team-x", (d["kind"], d["metadata"]["name"])
+        for subject in d.get("subjects", []):
+            assert subject["namespace"] == "team-x", (d["metadata"]["name"], subject)
+    text = yaml.safe_dump_all([d for d in docs if d["kind"] != "CustomResourceDefinition"])
+    assert "lorafleet.svc" not in text and "namespace: lorafleet\n" not in text
+    for name in ("lorafleet-operator", "lorafleet-router"):
+        env = env_of(one(docs, "Deployment", name)["spec"]["template"]["spec"]["containers"][0])
+        assert "LORAFLEET_NAMESPACES" not in env, "the watched namespace is the pod's own (POD_NAMESPACE)"
+        assert "metadata.namespace" in env["POD_NAMESPACE"]

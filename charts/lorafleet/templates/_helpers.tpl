@@ -24,6 +24,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: lorafleet
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{- define "lorafleet.selectorLabels" -}}
@@ -42,9 +45,52 @@ app.kubernetes.io/component: {{ .component }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
-{{/* Image reference: (dict "image" .Values.image.operator "root" $). */}}
+{{/* Image reference [global.imageRegistry/]repository:tag[@digest]: (dict "image" .Values.image.operator "root" $). */}}
 {{- define "lorafleet.image" -}}
-{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) }}
+{{- $registry := ((.root.Values.global).imageRegistry) | default "" }}
+{{- $repo := ternary (printf "%s/%s" (trimSuffix "/" $registry) .image.repository) .image.repository (ne $registry "") }}
+{{- $ref := printf "%s:%s" $repo (default .root.Chart.AppVersion .image.tag) }}
+{{- with .image.digest }}{{ $ref = printf "%s@%s" $ref . }}{{ end }}
+{{- $ref }}
+{{- end }}
+
+{{/* Pull secret names, comma separated: global.imagePullSecrets then imagePullSecrets
+(entries {name: x} or plain names), each once. */}}
+{{- define "lorafleet.imagePullSecretNames" -}}
+{{- $names := list }}
+{{- range concat (((.Values.global).imagePullSecrets) | default list) .Values.imagePullSecrets }}
+{{- $name := kindIs "map" . | ternary (get (kindIs "map" . | ternary . dict) "name") (toString .) }}
+{{- if and $name (not (has $name $names)) }}{{ $names = append $names $name }}{{ end }}
+{{- end }}
+{{- join "," $names }}
+{{- end }}
+
+{{- define "lorafleet.imagePullSecrets" -}}
+{{- with include "lorafleet.imagePullSecretNames" . }}
+imagePullSecrets:
+{{- range splitList "," . }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level fields shared by every Deployment of the chart: (dict "root" $ "pod" .Values.router). */}}
+{{- define "lorafleet.podExtras" -}}
+{{- with .pod.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .pod.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .pod.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .pod.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end }}
 
 {{- define "lorafleet.operatorServiceAccount" -}}
@@ -64,7 +110,21 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{- define "lorafleet.workerServiceAccount" -}}
-{{- printf "%s-worker" (include "lorafleet.fullname" .) }}
+{{- if .Values.workerServiceAccount.create }}
+{{- default (printf "%s-worker" (include "lorafleet.fullname" .)) .Values.workerServiceAccount.name }}
+{{- else }}
+{{- default "default" .Values.workerServiceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* ServiceAccount of sync Job pods ("" = the namespace's default). */}}
+{{- define "lorafleet.syncServiceAccount" -}}
+{{- $sa := .Values.operator.syncJob.serviceAccount }}
+{{- if and $sa.create (eq .Values.rbac.scope "namespace") (ne .Values.store.mode "none") }}
+{{- default (printf "%s-sync" (include "lorafleet.fullname" .)) $sa.name }}
+{{- else }}
+{{- $sa.name }}
+{{- end }}
 {{- end }}
 
 {{/* Namespaces the operator and router manage (namespace scope). */}}
@@ -81,9 +141,11 @@ app.kubernetes.io/component: {{ .component }}
 {{- if eq .Values.rbac.scope "cluster" -}}
 - name: LORAFLEET_ALL_NAMESPACES
   value: "true"
-{{- else -}}
+{{- else if .Values.rbac.watchNamespaces -}}
 - name: LORAFLEET_NAMESPACES
   value: {{ include "lorafleet.watchNamespaces" . | quote }}
+{{- else -}}
+# No LORAFLEET_NAMESPACES: the pod's own namespace (POD_NAMESPACE), right under a kustomize namespace override.
 {{- end }}
 - name: LORAFLEET_BIND_HOST
   value: {{ include "lorafleet.listenHost" . | quote }}
@@ -93,8 +155,42 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (printf "%s-admin-token" (include "lorafleet.fullname" .)) .Values.adminToken.existingSecret }}
 {{- end }}
 
+{{/* "true" when the operator generates the admin token at run time (no value, no existingSecret). */}}
+{{- define "lorafleet.adminTokenGenerated" -}}
+{{- if and .Values.adminToken.enabled (not .Values.adminToken.existingSecret) (not .Values.adminToken.value) }}true{{ end }}
+{{- end }}
+
+{{/* "true" when the store keys are given as values (rendered into the chart's Secret). */}}
+{{- define "lorafleet.storeKeysGiven" -}}
+{{- if and .Values.store.accessKeyId .Values.store.secretAccessKey }}true{{ end }}
+{{- end }}
+
+{{/* "true" when the operator generates the MinIO keys at run time. */}}
+{{- define "lorafleet.storeKeysGenerated" -}}
+{{- if and (eq .Values.store.mode "minio") (not .Values.store.existingSecret) (not (include "lorafleet.storeKeysGiven" .)) }}true{{ end }}
+{{- end }}
+
+{{/* Name of the Secret with the store keys; empty = none (boto3's default credential chain). */}}
 {{- define "lorafleet.storeSecret" -}}
-{{- default (printf "%s-store" (include "lorafleet.fullname" .)) .Values.store.existingSecret }}
+{{- if ne .Values.store.mode "none" }}
+{{- if .Values.store.existingSecret }}
+{{- .Values.store.existingSecret }}
+{{- else if or (include "lorafleet.storeKeysGiven" .) (include "lorafleet.storeKeysGenerated" .) }}
+{{- printf "%s-store" (include "lorafleet.fullname" .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* LORAFLEET_GENERATED_SECRETS: {secret: {key: length}} the operator creates once at run time. */}}
+{{- define "lorafleet.generatedSecrets" -}}
+{{- $out := dict }}
+{{- if include "lorafleet.adminTokenGenerated" . }}
+{{- $_ := set $out (include "lorafleet.adminTokenSecret" .) (dict .Values.adminToken.key 48) }}
+{{- end }}
+{{- if include "lorafleet.storeKeysGenerated" . }}
+{{- $_ := set $out (include "lorafleet.storeSecret" .) (dict "AWS_ACCESS_KEY_ID" 20 "AWS_SECRET_ACCESS_KEY" 40) }}
+{{- end }}
+{{- if $out }}{{ toJson $out }}{{ end }}
 {{- end }}
 
 {{- define "lorafleet.storeConfig" -}}
@@ -120,18 +216,22 @@ app.kubernetes.io/component: {{ .component }}
   valueFrom: {fieldRef: {fieldPath: status.podIP}}
 {{- end }}
 
-{{/* envFrom for containers that talk to the object store (absent with store.mode=none). */}}
+{{/* envFrom for containers that talk to the object store (absent with store.mode=none);
+(dict "root" $ "keys" true) adds the store Secret's keys when there is one. */}}
 {{- define "lorafleet.storeEnvFrom" -}}
-{{- if ne .Values.store.mode "none" -}}
+{{- $root := .root }}
+{{- if ne $root.Values.store.mode "none" -}}
 envFrom:
   - configMapRef:
-      name: {{ include "lorafleet.storeConfig" . }}
+      name: {{ include "lorafleet.storeConfig" $root }}
+  {{- with and .keys (include "lorafleet.storeSecret" $root) }}
   - secretRef:
-      name: {{ include "lorafleet.storeSecret" . }}
+      name: {{ . }}
+  {{- end }}
 {{- end }}
 {{- end }}
 
-{{/* The admin token as LORAFLEET_ADMIN_TOKEN. */}}
+{{/* The admin token as LORAFLEET_ADMIN_TOKEN (pods wait until the Secret exists). */}}
 {{- define "lorafleet.adminTokenEnv" -}}
 {{- if .Values.adminToken.enabled -}}
 - name: LORAFLEET_ADMIN_TOKEN
@@ -139,18 +239,6 @@ envFrom:
     secretKeyRef:
       name: {{ include "lorafleet.adminTokenSecret" . }}
       key: {{ .Values.adminToken.key }}
-{{- end }}
-{{- end }}
-
-{{/* A value kept across upgrades: the existing Secret's key, else the given value, else random. */}}
-{{- define "lorafleet.persistentSecretValue" -}}
-{{- $existing := lookup "v1" "Secret" .namespace .secret }}
-{{- if .value }}
-{{- .value }}
-{{- else if and $existing (hasKey $existing.data .key) }}
-{{- index $existing.data .key | b64dec }}
-{{- else }}
-{{- randAlphaNum (int .length) }}
 {{- end }}
 {{- end }}
 

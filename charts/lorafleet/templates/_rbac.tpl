@@ -29,6 +29,23 @@ ClusterRoles. They list exactly what the code calls (SPEC §7); no wildcards.
 - apiGroups: [events.k8s.io]
   resources: [events]
   verbs: [create]
+{{- if include "lorafleet.copiesStoreSecret" . }}
+# Sync Jobs read the store keys in their own namespace: the operator keeps a copy of the store
+# Secret there (create; get/update of that one name only).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
+- apiGroups: [""]
+  resources: [secrets]
+  resourceNames: [{{ include "lorafleet.storeSecret" . }}]
+  verbs: [get, update]
+{{- end }}
+{{- end }}
+
+{{/* "true" when sync Jobs may run outside the release namespace and need a copy of the store Secret. */}}
+{{- define "lorafleet.copiesStoreSecret" -}}
+{{- $elsewhere := or (eq .Values.rbac.scope "cluster") (without .Values.rbac.watchNamespaces .Release.Namespace) }}
+{{- if and (include "lorafleet.storeSecret" .) $elsewhere }}true{{ end }}
 {{- end }}
 
 {{- define "lorafleet.routerRules" -}}
@@ -45,7 +62,7 @@ ClusterRoles. They list exactly what the code calls (SPEC §7); no wildcards.
 {{- define "lorafleet.operatorSecretNames" -}}
 {{- $names := list }}
 {{- if .Values.adminToken.enabled }}{{ $names = append $names (include "lorafleet.adminTokenSecret" .) }}{{ end }}
-{{- if ne .Values.store.mode "none" }}{{ $names = append $names (include "lorafleet.storeSecret" .) }}{{ end }}
+{{- with include "lorafleet.storeSecret" . }}{{ $names = append $names . }}{{ end }}
 {{- with .Values.huggingface.tokenSecret }}{{ $names = append $names . }}{{ end }}
 {{- toJson $names }}
 {{- end }}

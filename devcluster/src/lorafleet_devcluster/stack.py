@@ -102,10 +102,23 @@ class Release:
         return self.cluster.helm(*args, "--namespace", self.namespace, check=check)
 
     def apply_values(self, values: Mapping[str, Any], *, wait: bool = True, timeout: str = "280s") -> None:
-        """`helm upgrade --install [--wait]` with exactly `values` (kept as self.values)."""
+        """`helm upgrade --install [--wait]` with exactly `values` (kept as self.values); with `wait`,
+        also until every Deployment is fully rolled out (helm's --wait accepts `replicas - maxUnavailable`)."""
         self.values = copy.deepcopy(dict(values))
         waiting = ["--wait", "--timeout", timeout] if wait else []
         self.helm("upgrade", "--install", self.name, str(CHART), *waiting, *values_args(self.values))
+        if wait:
+            wait_for(self.rolled_out, float(timeout.rstrip("s")), "every Deployment rolled out")
+
+    def rolled_out(self) -> bool:
+        """Every Deployment of the release has all its replicas updated and ready, and no old pod left."""
+        path = f"/apis/apps/v1/namespaces/{self.namespace}/deployments"
+        items = self.cluster.get(path, labelSelector=f"app.kubernetes.io/instance={self.name}")["items"]
+        return bool(items) and all(
+            (d.get("status") or {}).get(field, 0) == d["spec"]["replicas"]
+            for d in items
+            for field in ("updatedReplicas", "readyReplicas", "replicas")
+        )
 
     def deploy(self, values: Mapping[str, Any]) -> None:
         """Install with MinIO first, then the rest. On the local cluster (no Service DNS) the

@@ -2,7 +2,9 @@
 
 Endpoint: ``AWS_ENDPOINT_URL_S3`` > ``AWS_ENDPOINT_URL`` > ``AWS_ENDPOINT`` (none: AWS itself);
 plain ``http://`` endpoints need ``AWS_ALLOW_HTTP=true``; region ``AWS_REGION`` (default us-east-1);
-credentials from boto3's usual chain (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``...).
+credentials: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` when set, else boto3's default chain
+(workload identity: ``AWS_ROLE_ARN`` + ``AWS_WEB_IDENTITY_TOKEN_FILE`` as IRSA injects them, EKS Pod
+Identity / ECS container credentials, shared config files, instance metadata).
 A custom endpoint uses path-style addressing (MinIO). boto3's own retries are off: callers retry.
 """
 
@@ -92,7 +94,12 @@ def classify(exc: BaseException, label: str) -> SourceError:
     if isinstance(exc, (bx.EndpointConnectionError, bx.ConnectionClosedError, bx.ConnectionError)):
         return SourceError(502, f"{label}: object store unreachable ({type(exc).__name__})")
     if isinstance(exc, bx.NoCredentialsError):
-        return SourceError(502, f"{label}: no S3 credentials configured (AWS_ACCESS_KEY_ID)", retryable=False)
+        return SourceError(
+            502,
+            f"{label}: no S3 credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or give the pod a cloud "
+            "identity (boto3's default chain: web identity token, container or instance credentials)",
+            retryable=False,
+        )
     if isinstance(exc, bx.ClientError):
         err = exc.response.get("Error", {})
         code = str(err.get("Code", ""))

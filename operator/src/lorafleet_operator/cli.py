@@ -53,7 +53,7 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
     import kopf
     from lorafleet_sync.hf import HfSettings
 
-    from lorafleet_operator import handlers, metrics
+    from lorafleet_operator import bootstrap_secrets, handlers, metrics
     from lorafleet_operator.kube import EventPoster, KubeClient
     from lorafleet_operator.reconcile import Reconciler
     from lorafleet_operator.syncjob import SyncJobs
@@ -68,8 +68,9 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
         hf = HfSettings.from_env()
         if settings.hf_endpoint:
             hf = HfSettings(settings.hf_endpoint.rstrip("/"), hf.token)
+        token = await bootstrap_secrets.bootstrap(kube, settings.token())  # GitOps: Secrets made at run time
         client = WorkerClient(
-            token=settings.token(),
+            token=token,
             load_timeout=settings.load_timeout,
             call_timeout=settings.call_timeout,
             max_concurrency=settings.max_concurrent_calls,

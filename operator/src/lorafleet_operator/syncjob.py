@@ -18,6 +18,7 @@ DynamoModel (garbage-collected with it). Exit code 75 (network trouble) is retri
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +27,7 @@ from lorafleet_sync.errors import SourceError
 from lorafleet_sync.hf import HfSettings, resolve
 from lorafleet_sync.uris import S3URI, HfURI, is_commit_sha, synced_uri
 
-from lorafleet_operator import metrics
+from lorafleet_operator import metrics, store_credentials
 from lorafleet_operator import status as st
 from lorafleet_operator.kube import KubeClient, KubeError
 from lorafleet_operator.reconcile import Model, SyncResult
@@ -37,6 +38,18 @@ REVISION_ANNOTATION = "lorafleet.nvidia.com/revision"
 SOURCE_ANNOTATION = "lorafleet.nvidia.com/source"
 MODEL_LABEL = "lorafleet.nvidia.com/model-uid"
 RETRYABLE_EXIT_CODE = 75
+# Pod Security "restricted" (the images run as UID 10001); downloads are staged under /tmp.
+POD_SECURITY_CONTEXT = {
+    "runAsNonRoot": True,
+    "runAsUser": 10001,
+    "runAsGroup": 10001,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_CONTEXT = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
 
 
 def job_name(model_name: str, uri: str) -> str:
@@ -56,7 +69,10 @@ def job_manifest(model: Model, source: HfURI, sha: str, settings: Settings) -> d
         "app.kubernetes.io/component": "sync",
         MODEL_LABEL: model.uid,
     }
-    env: list[dict[str, Any]] = [{"name": "AWS_REGION", "value": settings.store_region}]
+    env: list[dict[str, Any]] = [
+        {"name": "AWS_REGION", "value": settings.store_region},
+        {"name": "HOME", "value": "/tmp"},
+    ]
     if settings.store_endpoint:
         env.append({"name": "AWS_ENDPOINT_URL_S3", "value": settings.store_endpoint})
         if settings.store_endpoint.startswith("http://"):
@@ -74,6 +90,7 @@ def job_manifest(model: Model, source: HfURI, sha: str, settings: Settings) -> d
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
+        "securityContext": POD_SECURITY_CONTEXT,
         "containers": [
             {
                 "name": "sync",
@@ -86,12 +103,17 @@ def job_manifest(model: Model, source: HfURI, sha: str, settings: Settings) -> d
                     str(store_uri(settings)),
                 ],
                 "env": env,
-                "securityContext": {"allowPrivilegeEscalation": False},
+                "resources": json.loads(settings.sync_resources) if settings.sync_resources else {},
+                "securityContext": CONTAINER_SECURITY_CONTEXT,
+                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
             }
         ],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
     }
     if settings.sync_service_account:
         pod_spec["serviceAccountName"] = settings.sync_service_account
+    if settings.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in settings.image_pull_secrets]
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -153,6 +175,8 @@ class SyncJobs:
         name = job_name(model.model_name, model.uri or str(source))
         path = f"/apis/batch/v1/namespaces/{model.namespace}/jobs"
         job = await self.kube.get(f"{path}/{name}")
+        if job is None or job_state(job)[0] == "running":  # the Job's pod reads the keys in its namespace
+            await store_credentials.ensure_copy(self.kube, self.settings.store_secret, model.namespace)
         if job is None:
             try:
                 sha = source.revision if is_commit_sha(source.revision) else await self._resolve(source)
