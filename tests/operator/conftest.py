@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 from aiohttp import web
-from lorafleet_operator.reconcile import Pod
+from lorafleet_operator.resources import Pod
 from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash, lora_id
 
 from tests.infra.nodeagent import AddressBlock

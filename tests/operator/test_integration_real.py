@@ -22,7 +22,8 @@ from aiohttp import web
 from lorafleet_operator import metrics
 from lorafleet_operator.handlers import Runtime
 from lorafleet_operator.placement import place
-from lorafleet_operator.reconcile import Model, Reconciler
+from lorafleet_operator.reconcile import Reconciler
+from lorafleet_operator.resources import Model
 from lorafleet_operator.router import Router, RoutingTable
 from lorafleet_operator.settings import Settings
 from lorafleet_operator.workers import WorkerClient

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lorafleet_operator.reconcile import Model
+from lorafleet_operator.resources import Model
 from lorafleet_operator.settings import Settings
 from lorafleet_operator.syncjob import REVISION_ANNOTATION, job_manifest, job_name, job_state
 from lorafleet_sync.uris import HfURI

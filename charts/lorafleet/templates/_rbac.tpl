@@ -29,6 +29,14 @@ ClusterRoles. They list exactly what the code calls (SPEC §7); no wildcards.
 - apiGroups: [events.k8s.io]
   resources: [events]
   verbs: [create]
+# The ledger of adapter names the operator placed (one ConfigMap per namespace, see ledger.py).
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [create]
+- apiGroups: [""]
+  resources: [configmaps]
+  resourceNames: [lorafleet-adapters]
+  verbs: [get, patch]
 {{- end }}
 
 {{- define "lorafleet.routerRules" -}}

@@ -55,6 +55,7 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
 
     from lorafleet_operator import handlers, metrics
     from lorafleet_operator.kube import EventPoster, KubeClient
+    from lorafleet_operator.ledger import ConfigMapLedger
     from lorafleet_operator.reconcile import Reconciler
     from lorafleet_operator.syncjob import SyncJobs
     from lorafleet_operator.workers import WorkerClient
@@ -80,9 +81,11 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
             management_port=settings.management_port,
             sync=SyncJobs(kube, settings, hf) if settings.store_configured else None,
             emit=handlers.event_sink(events),
-            listing_ttl=settings.drift_interval,
+            ledger=ConfigMapLedger(kube),
+            listing_ttl=2 * settings.drift_interval,  # the drift pass refreshes every listing
             retry_base=settings.retry_base,
             retry_max=settings.retry_max,
+            unload_grace=settings.unload_grace,
         )
         runtime = handlers.Runtime(settings, reconciler, handlers.kube_status_writer(kube))
         liveness = f"http://{settings.bind_host}:{settings.liveness_port}/healthz" if settings.liveness_port else None

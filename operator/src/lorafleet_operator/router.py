@@ -33,7 +33,7 @@ from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lorafleet_operator import metrics
-from lorafleet_operator.reconcile import Model, Pod
+from lorafleet_operator.resources import Model, Pod
 from lorafleet_operator.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -54,6 +54,9 @@ class Settings:
     max_concurrent_calls: int = _opt(16, "LORAFLEET_MAX_CONCURRENT_CALLS", "worker calls in flight at once")
     reconcile_workers: int = _opt(8, "LORAFLEET_RECONCILE_WORKERS", "DynamoModels reconciled at once")
     drift_interval: float = _opt(30.0, "LORAFLEET_DRIFT_INTERVAL", "seconds between drift checks of every pod")
+    unload_grace: float = _opt(
+        5.0, "LORAFLEET_UNLOAD_GRACE", "seconds the new placement is published before leavers are unloaded"
+    )
     retry_base: float = _opt(1.0, "LORAFLEET_RETRY_BASE", "first retry delay (doubles up to --retry-max)")
     retry_max: float = _opt(60.0, "LORAFLEET_RETRY_MAX", "longest retry delay")
     # process

@@ -29,7 +29,8 @@ from lorafleet_sync.uris import S3URI, HfURI, is_commit_sha, synced_uri
 from lorafleet_operator import metrics
 from lorafleet_operator import status as st
 from lorafleet_operator.kube import KubeClient, KubeError
-from lorafleet_operator.reconcile import Model, SyncResult
+from lorafleet_operator.reconcile import SyncResult
+from lorafleet_operator.resources import Model
 from lorafleet_operator.settings import Settings
 
 MANAGED_BY = "lorafleet-operator"
