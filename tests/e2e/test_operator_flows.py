@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from lorafleet_operator.ledger import CONFIGMAP as LEDGER
 from lorafleet_operator.placement import place
 from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
 
@@ -42,7 +43,7 @@ OPERATOR_RULES = [
     {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "list", "watch", "delete"]},
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]},
-    {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["lorafleet-adapters"], "verbs": ["get", "patch"]},
+    {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [LEDGER], "verbs": ["get", "patch"]},
 ]
 ROUTER_RULES = [
     {"apiGroups": ["nvidia.com"], "resources": ["dynamomodels"], "verbs": ["get", "list", "watch"]},
