@@ -12,7 +12,15 @@ from collections.abc import Sequence
 from lorafleet_operator.settings import Settings, add_arguments
 
 OPERATOR_FLAGS = None  # every settings field except the router's
-ROUTER_FLAGS = ("namespaces", "all_namespaces", "inference_port", "router_port", "router_timeout", "bind_host")
+ROUTER_FLAGS = (
+    "namespaces",
+    "all_namespaces",
+    "inference_port",
+    "router_port",
+    "router_timeout",
+    "bind_host",
+    "router_unavailable_wait",
+)
 
 
 def _namespaces(settings: Settings) -> Settings:

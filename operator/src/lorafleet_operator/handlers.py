@@ -267,9 +267,12 @@ class Runtime:
 
     async def finalize(self, body: Mapping[str, Any]) -> list[str]:
         """Unload a deleted model everywhere (bounded wait) and forget it."""
+        meta = body.get("metadata") or {}
+        if not meta.get("deletionTimestamp"):
+            body = {**body, "metadata": {**meta, "deletionTimestamp": st.now_iso()}}
         model = Model.from_body(body)
         owner = self.owner(model)
-        self.on_model("MODIFIED", body)  # carries deletionTimestamp: workers skip it, the name is handed over
+        self.on_model("MODIFIED", body)  # deleting: workers skip it, the name is handed over
         async with self._locks.setdefault(model.key, asyncio.Lock()):
             unloaded: list[str] = []
             loser = owner is not None and owner.key != model.key  # never loaded: the name is someone else's

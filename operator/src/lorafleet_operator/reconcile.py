@@ -240,10 +240,11 @@ class Reconciler:
             )
             return self._done(model, obs.observe(st.PENDING, cond), ok=True)
 
-        listings = dict(zip(ready_pods, await asyncio.gather(*(self.listing(p) for p in ready_pods)), strict=True))
-        holding = {p for p in ready_pods if model.model_name in (listings[p] or ())}
+        live = sorted(p for p in pods if (p.ready or p.serving) and p.ip)  # terminating pods still serve
+        listings = dict(zip(live, await asyncio.gather(*(self.listing(p) for p in live)), strict=True))
+        holding = {p for p in live if model.model_name in (listings[p] or ())}
         to_load = [p for p in placement if self._needs_load(model, p, target, listings[p])]
-        leavers = [p for p in ready_pods if p in holding and p not in placement]
+        leavers = [p for p in live if p in holding and p not in placement]
         if to_load:
             await self.ledger.claim(model.namespace, model.base_hash, model.model_name)
             if progress is not None:
@@ -336,7 +337,7 @@ class Reconciler:
         wait = seen[1] + self.unload_grace - now
         if wait > 0:
             return wait
-        await asyncio.gather(*(self._unload(model, p) for p in leavers))
+        await asyncio.gather(*(self._unload(model, p) for p in leavers if p.ready))  # terminating ones just go
         return None
 
     def _needs_load(self, model: Model, pod: Pod, uri: str, names: set[str] | None) -> bool:

@@ -16,7 +16,11 @@ from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
 
 @dataclass(frozen=True, order=True)
 class Pod:
-    """A worker pod as the operator and router see it."""
+    """A worker pod as the operator and router see it.
+
+    ``ready``: Ready and not terminating (eligible for placement and routing). ``serving``: Ready,
+    terminating included: a pod being deleted keeps answering through its grace period, so it
+    stays a holder until the adapter is ready elsewhere (Kubernetes' serving-terminating endpoints)."""
 
     namespace: str
     name: str
@@ -24,14 +28,15 @@ class Pod:
     ip: str | None = None
     ready: bool = False
     base_hash: str | None = None
+    serving: bool = False
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Pod:
         meta, status = body.get("metadata") or {}, body.get("status") or {}
         conditions = status.get("conditions") or []
-        ready = (
+        serving = bool(
             status.get("phase") == "Running"
-            and not meta.get("deletionTimestamp")
+            and status.get("podIP")
             and any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
         )
         return cls(
@@ -39,8 +44,9 @@ class Pod:
             name=meta.get("name", ""),
             uid=meta.get("uid", ""),
             ip=status.get("podIP") or None,
-            ready=bool(ready and status.get("podIP")),
+            ready=serving and not meta.get("deletionTimestamp"),
             base_hash=(meta.get("labels") or {}).get(BASE_MODEL_HASH_LABEL),
+            serving=serving,
         )
 
     def address(self, port: int) -> str:

@@ -69,11 +69,14 @@ class RoutingTable:
         return f"http://{ip}:{self.inference_port}"
 
     def adapter(self, name: str) -> Model | None:
+        """The DynamoModel serving adapter ``name``: its owner, the oldest claiming it (as the operator decides)."""
         candidates = [m for m in self.models.values() if m.is_lora and m.model_name == name and not m.deleting]
-        return candidates[0] if candidates else None
+        return min(candidates, key=lambda m: m.seniority, default=None)
 
     def adapter_endpoints(self, model: Model) -> list[str]:
-        out = []
+        """Ready endpoints on Ready pods; if there are none, those on terminating pods that still
+        serve (the operator keeps them listed until the adapter is ready elsewhere)."""
+        out, terminating = [], []
         for ep in model.status.get("endpoints") or []:
             if not ep.get("ready"):
                 continue
@@ -81,9 +84,11 @@ class RoutingTable:
             if pod is not None:
                 if pod.ready and pod.ip:
                     out.append(self._url(pod.ip))
+                elif pod.serving and pod.ip:
+                    terminating.append(self._url(pod.ip))
             elif host := urlsplit(str(ep.get("address", ""))).hostname:
                 out.append(self._url(host))  # pod not (yet) seen by the pod watch: trust the status
-        return out
+        return out or terminating
 
     def base_endpoints(self, name: str) -> list[str]:
         wanted = base_model_hash(name)
@@ -267,7 +272,7 @@ async def run_router(settings: Settings) -> None:
             Informer(kube, collection_path("", "v1", "pods", ns), table.on_pod, label_selector=BASE_MODEL_HASH_LABEL)
         )
     tasks = [asyncio.create_task(i.run()) for i in informers]
-    runner = web.AppRunner(Router(table, settings.router_timeout).app())
+    runner = web.AppRunner(Router(table, settings.router_timeout, settings.router_unavailable_wait).app())
     await runner.setup()
     await web.TCPSite(runner, settings.bind_host, settings.router_port).start()
     log.info("router listening on %s:%d", settings.bind_host, settings.router_port)

@@ -66,6 +66,9 @@ class Settings:
     peering: str = _opt("", "LORAFLEET_PEERING", "kopf peering name for several replicas (empty = standalone)")
     router_port: int = _opt(8000, "LORAFLEET_ROUTER_PORT", "router listen port")
     router_timeout: float = _opt(600.0, "LORAFLEET_ROUTER_TIMEOUT", "router: seconds per proxied request")
+    router_unavailable_wait: float = _opt(
+        30.0, "LORAFLEET_ROUTER_UNAVAILABLE_WAIT", "router: seconds a request waits for a holder when none is ready"
+    )
 
     @property
     def store_configured(self) -> bool:
