@@ -58,7 +58,7 @@ class SyncResult:
     revision: str | None = None
     message: str = ""
     reason: str = ""  # CamelCase reason for the Synced condition ("" = the state's default)
-    retry_after: float | None = None  # failed: seconds until the Job is tried again (None = not retried)
+    retry_after: float | None = None  # failed: seconds until the next try; succeeded: until the branch re-check
 
 
 class SyncBackend(Protocol):
@@ -226,7 +226,9 @@ class Reconciler:
         obs = _Observed(model, source.synced, resolved, source.revision, source.job, served)
         if target is None:
             if failure is not None:
-                return self._done(model, obs.observe(st.FAILED, failure), ok=True)
+                result = self._done(model, obs.observe(st.FAILED, failure), ok=True)
+                result.requeue_after = source.requeue  # e.g. when a failed sync Job is tried again
+                return result
             cond = st.Condition("EndpointsReady", False, st.WAITING_FOR_SYNC, f"waiting for sync Job {source.job}")
             return Result(st.render(obs.observe(st.SYNCING, cond), model.status), source.requeue)
 
@@ -312,7 +314,7 @@ class Reconciler:
             synced = st.Condition("Synced", True, st.SYNC_SUCCEEDED, f"synced by Job {sync.job_name} to {resolved}")
             if _reason(model.status, "Synced") != st.SYNC_SUCCEEDED:
                 self.emit(model, NORMAL, st.SYNC_SUCCEEDED, synced.message)
-            return _Source(resolved, synced, revision, sync.job_name)
+            return _Source(resolved, synced, revision, sync.job_name, requeue=sync.retry_after)  # branch re-check
         if sync.state == "failed":
             synced = st.Condition("Synced", False, sync.reason or st.SYNC_FAILED, sync.message)
             if _reason(model.status, "Synced") != synced.reason:

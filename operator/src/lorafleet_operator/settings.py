@@ -45,6 +45,11 @@ class Settings:
     sync_image: str = _opt("lorafleet/operator:dev", "LORAFLEET_SYNC_IMAGE", "image of the sync Job (lorafleet-sync)")
     sync_service_account: str = _opt("", "LORAFLEET_SYNC_SERVICE_ACCOUNT", "ServiceAccount of sync Job pods")
     sync_backoff_limit: int = _opt(4, "LORAFLEET_SYNC_BACKOFF_LIMIT", "retries of a sync Job on retryable failures")
+    sync_deadline: int = _opt(3600, "LORAFLEET_SYNC_DEADLINE", "activeDeadlineSeconds of a sync Job")
+    sync_ttl: int = _opt(3600, "LORAFLEET_SYNC_TTL", "ttlSecondsAfterFinished of a sync Job")
+    revision_interval: float = _opt(
+        300.0, "LORAFLEET_REVISION_INTERVAL", "seconds between re-resolutions of hf:// branches and tags"
+    )
     hf_endpoint: str = _opt("", "LORAFLEET_HF_ENDPOINT", "HF_ENDPOINT passed to sync Jobs")
     hf_token_secret: str = _opt("", "LORAFLEET_HF_TOKEN_SECRET", "Secret with HF_TOKEN passed to sync Jobs")
     # behaviour
