@@ -312,6 +312,10 @@ async def _configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any)
     # namespaces are explicit and the CRD is installed before the operator (Helm's crds/), so a
     # static setup loses nothing; a CRD installed after the operator needs an operator restart.
     settings.scanning.disabled = True
+    # "Handler ... succeeded" for every watch event is noise at thousands of objects (and CPU);
+    # our own log lines say what was done. --verbose keeps kopf's.
+    if not log.isEnabledFor(logging.DEBUG):
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     runtime = _runtime(memo)
     await prime_pods(memo["kube"], runtime)
     runtime.start()
