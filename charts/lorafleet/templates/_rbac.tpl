@@ -37,6 +37,14 @@ ClusterRoles. They list exactly what the code calls (SPEC §7); no wildcards.
   resources: [configmaps]
   resourceNames: [lorafleet-adapters]
   verbs: [get, patch]
+# Leader election of several replicas (--leader-elect): the Lease lorafleet-operator.
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [create]
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  resourceNames: [lorafleet-operator]
+  verbs: [get, update]
 {{- end }}
 
 {{- define "lorafleet.routerRules" -}}

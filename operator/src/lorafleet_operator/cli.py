@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -63,6 +64,7 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
 
     from lorafleet_operator import handlers, metrics
     from lorafleet_operator.kube import EventPoster, KubeClient
+    from lorafleet_operator.leader import LEASE_NAME, LeaderElector, run_as_leader, standby_liveness
     from lorafleet_operator.ledger import ConfigMapLedger
     from lorafleet_operator.reconcile import Reconciler
     from lorafleet_operator.syncjob import SyncJobs
@@ -97,7 +99,8 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
         )
         runtime = handlers.Runtime(settings, reconciler, handlers.kube_status_writer(kube))
         liveness = f"http://{settings.bind_host}:{settings.liveness_port}/healthz" if settings.liveness_port else None
-        try:
+
+        async def operate() -> None:
             await kopf.operator(
                 clusterwide=settings.all_namespaces,
                 namespaces=() if settings.all_namespaces else settings.namespaces,
@@ -106,6 +109,17 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
                 liveness_endpoint=liveness,
                 memo=kopf.Memo(runtime=runtime, kube=kube, events=events),
             )
+
+        try:
+            if settings.leader_elect:
+                namespace = os.environ.get("POD_NAMESPACE") or (settings.namespaces or ("default",))[0]
+                identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+                elector = LeaderElector(kube, namespace, LEASE_NAME, identity)
+                async with standby_liveness(settings):
+                    await elector.acquire()
+                await run_as_leader(elector, operate)
+            else:
+                await operate()
         finally:
             await kube.close()
 

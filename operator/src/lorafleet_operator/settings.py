@@ -69,6 +69,9 @@ class Settings:
     metrics_port: int = _opt(9100, "LORAFLEET_METRICS_PORT", "port of Prometheus /metrics (0 = off)")
     bind_host: str = _opt("0.0.0.0", "LORAFLEET_BIND_HOST", "address for liveness/metrics/router listeners")
     peering: str = _opt("", "LORAFLEET_PEERING", "kopf peering name for several replicas (empty = standalone)")
+    leader_elect: bool = _opt(
+        False, "LORAFLEET_LEADER_ELECT", "several replicas: only the holder of the Lease lorafleet-operator acts"
+    )
     router_port: int = _opt(8000, "LORAFLEET_ROUTER_PORT", "router listen port")
     router_timeout: float = _opt(600.0, "LORAFLEET_ROUTER_TIMEOUT", "router: seconds per proxied request")
     router_unavailable_wait: float = _opt(
