@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 from lorafleet_operator.resources import Model
 from lorafleet_operator.settings import Settings
 from lorafleet_operator.syncjob import REVISION_ANNOTATION, SyncJobs, job_manifest, job_name, job_state
 from lorafleet_sync.hf import HfSettings
 from lorafleet_sync.uris import HfURI
+
+from tests.infra.hfhub import LocalHub
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
@@ -67,9 +71,13 @@ class Kube:
 
     def __init__(self) -> None:
         self.jobs: dict[str, dict] = {}
+        self.secrets: dict[str, dict] = {}  # "namespace/name" -> Secret
         self.deleted: list[str] = []
 
     async def get(self, path: str) -> dict | None:
+        if "/secrets/" in path:
+            parts = path.split("/")
+            return self.secrets.get(f"{parts[4]}/{parts[6]}")
         return self.jobs.get(path.rsplit("/", 1)[1])
 
     async def create(self, path: str, body: dict) -> dict:
@@ -118,3 +126,32 @@ async def test_failed_job_is_recreated_with_backoff_and_ttl_never_resyncs() -> N
     kube.jobs.clear()  # ttlSecondsAfterFinished removed it
     after_ttl = await jobs.ensure(dataclasses.replace(pinned, status=status), source)
     assert after_ttl.state == "succeeded" and not kube.jobs
+
+
+FILES = {"adapter_config.json": b'{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}',
+         "adapter_model.safetensors": b"weights"}  # fmt: skip
+
+
+async def test_private_repo_resolves_with_the_token_secret_and_a_moved_branch_syncs_again(tmp_path: Path) -> None:
+    hub = LocalHub(tmp_path / "hub", token="hf_secret_token").start()
+    try:
+        first = hub.commit("org/private", FILES)
+        kube = Kube()
+        cfg = Settings(store_bucket="loras", hf_token_secret="hf-token", revision_interval=0)
+        jobs = SyncJobs(kube, cfg, HfSettings(hub.url, None), secret_namespace="lorafleet")  # type: ignore[arg-type]
+        source = HfURI("org", "private", "main")
+        m = model("hf://org/private@main")
+        missing = await jobs.ensure(m, source)  # no Secret yet: the hub refuses, clearly
+        assert missing.state == "failed" and missing.reason == "RevisionResolveFailed" and not kube.jobs
+        assert "hf_secret_token" not in missing.message
+        kube.secrets["lorafleet/hf-token"] = {"data": {"HF_TOKEN": base64.b64encode(b"hf_secret_token").decode()}}
+        jobs._token = None  # the Secret appeared (re-read every revision interval anyway)
+        ok = await jobs.ensure(m, source)
+        assert ok.state == "running" and ok.revision == first
+        assert kube.jobs[ok.job_name]["metadata"]["annotations"][REVISION_ANNOTATION] == first
+        moved = hub.commit("org/private", {**FILES, "adapter_model.safetensors": b"new weights"})
+        again = await jobs.ensure(m, source)  # re-resolved: a new commit, a new Job
+        assert again.revision == moved != first and again.job_name != ok.job_name
+        assert kube.deleted == [ok.job_name]  # the older commit's Job
+    finally:
+        hub.stop()

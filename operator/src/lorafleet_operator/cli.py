@@ -89,7 +89,9 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
             client,
             default_replicas=settings.default_replicas,
             management_port=settings.management_port,
-            sync=SyncJobs(kube, settings, hf) if settings.store_configured else None,
+            sync=SyncJobs(kube, settings, hf, os.environ.get("POD_NAMESPACE") or (settings.namespaces or ("default",))[0])
+            if settings.store_configured
+            else None,
             emit=handlers.event_sink(events),
             ledger=ConfigMapLedger(kube),
             listing_ttl=2 * settings.drift_interval,  # the drift pass refreshes every listing

@@ -312,6 +312,10 @@ async def _configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any)
     # namespaces are explicit and the CRD is installed before the operator (Helm's crds/), so a
     # static setup loses nothing; a CRD installed after the operator needs an operator restart.
     settings.scanning.disabled = True
+    # Server-side label selectors: the API server sends only worker pods and our sync Jobs (the
+    # handlers' `labels=` filters alone would filter every pod of the namespace client-side).
+    settings.watching.label_selectors["v1", "pods"] = BASE_MODEL_HASH_LABEL
+    settings.watching.label_selectors["batch", "v1", "jobs"] = f"app.kubernetes.io/managed-by={MANAGED_BY}"
     # "Handler ... succeeded" for every watch event is noise at thousands of objects (and CPU);
     # our own log lines say what was done. --verbose keeps kopf's.
     if not log.isEnabledFor(logging.DEBUG):

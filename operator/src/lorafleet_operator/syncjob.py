@@ -25,6 +25,7 @@ a new Job and, once it completes, a hot swap (the old version serves meanwhile).
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -161,10 +162,12 @@ def job_state(job: Mapping[str, Any]) -> tuple[str, str]:
 class SyncJobs:
     """``SyncBackend`` creating and following sync Jobs through the Kubernetes API."""
 
-    def __init__(self, kube: KubeClient, settings: Settings, hf: HfSettings) -> None:
+    def __init__(self, kube: KubeClient, settings: Settings, hf: HfSettings, secret_namespace: str = "") -> None:
         self.kube = kube
         self.settings = settings
         self.hf = hf
+        self.secret_namespace = secret_namespace  # where --hf-token-secret lives (the operator's namespace)
+        self._token: tuple[str | None, float] | None = None  # (HF token from the Secret, read at)
         self._seen: dict[str, str] = {}  # job name -> last state counted in metrics
         self._revisions: dict[str, tuple[str, float]] = {}  # hf://org/repo@rev -> (sha, resolved at)
 
@@ -235,9 +238,21 @@ class SyncJobs:
         cached = self._revisions.get(key)
         if cached is not None and time.monotonic() - cached[1] < self.settings.revision_interval:
             return cached[0]
-        sha, _files = await asyncio.to_thread(resolve, self.hf, source)
+        sha, _files = await asyncio.to_thread(resolve, await self._hf(), source)
         self._revisions[key] = (sha, time.monotonic())
         return sha
+
+    async def _hf(self) -> HfSettings:
+        """Hub settings for resolving revisions: the token comes from the environment or, like the
+        Jobs', from the Secret ``--hf-token-secret`` (re-read every revision interval: rotation)."""
+        if self.hf.token or not self.settings.hf_token_secret or not self.secret_namespace:
+            return self.hf
+        if self._token is None or time.monotonic() - self._token[1] > self.settings.revision_interval:
+            path = f"/api/v1/namespaces/{self.secret_namespace}/secrets/{self.settings.hf_token_secret}"
+            secret = await self.kube.get(path)
+            raw = ((secret or {}).get("data") or {}).get("HF_TOKEN")
+            self._token = (base64.b64decode(raw).decode().strip() if raw else None, time.monotonic())
+        return HfSettings(self.hf.endpoint, self._token[0])
 
     async def _delete_stale(self, model: Model, path: str, keep: str) -> None:
         """Delete this model's Jobs for earlier sources or commits."""
