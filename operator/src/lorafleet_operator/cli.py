@@ -75,6 +75,7 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
 
     async def main() -> None:
         kube = KubeClient.from_environment()
+        home = os.environ.get("POD_NAMESPACE") or (settings.namespaces or ("default",))[0]  # the operator's own
         events = EventPoster(kube, "lorafleet-operator")
         hf = HfSettings.from_env()
         if settings.hf_endpoint:
@@ -89,9 +90,7 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
             client,
             default_replicas=settings.default_replicas,
             management_port=settings.management_port,
-            sync=SyncJobs(kube, settings, hf, os.environ.get("POD_NAMESPACE") or (settings.namespaces or ("default",))[0])
-            if settings.store_configured
-            else None,
+            sync=SyncJobs(kube, settings, hf, home) if settings.store_configured else None,
             emit=handlers.event_sink(events),
             ledger=ConfigMapLedger(kube),
             listing_ttl=2 * settings.drift_interval,  # the drift pass refreshes every listing
@@ -114,9 +113,8 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
 
         try:
             if settings.leader_elect:
-                namespace = os.environ.get("POD_NAMESPACE") or (settings.namespaces or ("default",))[0]
                 identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
-                elector = LeaderElector(kube, namespace, LEASE_NAME, identity)
+                elector = LeaderElector(kube, home, LEASE_NAME, identity)
                 async with standby_liveness(settings):
                     await elector.acquire()
                 await run_as_leader(elector, operate)

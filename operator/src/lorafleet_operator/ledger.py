@@ -9,7 +9,8 @@ deleted while the operator was down); a name that is not written down is never t
 ``ConfigMapLedger`` keeps the record in one ConfigMap per namespace, ``lorafleet-adapters``,
 one data key per base-model hash holding the sorted names, one per line (10,000 names of 40
 characters are ~400 KB, under the 1 MiB object limit). It is read once per namespace, then
-written only when a name is added or removed. ``MemoryLedger`` is the same without Kubernetes.
+written only when names are added or removed, in batches. ``MemoryLedger`` is the same without
+Kubernetes.
 """
 
 from __future__ import annotations
@@ -46,25 +47,31 @@ class MemoryLedger:
 
 
 class ConfigMapLedger(MemoryLedger):
-    """The record in the ConfigMap ``lorafleet-adapters`` of each namespace."""
+    """The record in the ConfigMap ``lorafleet-adapters`` of each namespace.
+
+    Writes are group-committed: every claim or release waits for a write that includes it, and
+    all changes made while one write is in flight go out together in the next (a cold start of
+    thousands of models costs a few dozen writes, not one per name)."""
 
     def __init__(self, kube: KubeClient) -> None:
         super().__init__()
         self.kube = kube
         self._loaded: set[str] = set()
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._next: dict[str, asyncio.Future[None]] = {}  # namespace -> the write not started yet
+        self.writes = 0
 
     async def claim(self, namespace: str, base_hash: str, name: str) -> None:
         await self._load(namespace)
         if name not in self._names[(namespace, base_hash)]:
             await super().claim(namespace, base_hash, name)
-            await self._write(namespace, base_hash)
+            await self._commit(namespace)
 
     async def release(self, namespace: str, base_hash: str, name: str) -> None:
         await self._load(namespace)
         if name in self._names[(namespace, base_hash)]:
             await super().release(namespace, base_hash, name)
-            await self._write(namespace, base_hash)
+            await self._commit(namespace)
 
     async def names(self, namespace: str, base_hash: str) -> set[str]:
         await self._load(namespace)
@@ -84,11 +91,24 @@ class ConfigMapLedger(MemoryLedger):
                 self._names[(namespace, base_hash)] |= {n for n in text.splitlines() if n}
             self._loaded.add(namespace)
 
-    async def _write(self, namespace: str, base_hash: str) -> None:
-        text = "".join(f"{n}\n" for n in sorted(self._names[(namespace, base_hash)]))
+    async def _commit(self, namespace: str) -> None:
+        """Return once a write that includes every change made so far has succeeded."""
+        pending = self._next.get(namespace)
+        if pending is None:
+            pending = self._next[namespace] = asyncio.ensure_future(self._write(namespace))
+        await asyncio.shield(pending)
+
+    async def _write(self, namespace: str) -> None:
         async with self._locks[namespace]:
+            self._next.pop(namespace, None)  # changes from now on go into the next write
+            data = {
+                base_hash: "".join(f"{n}\n" for n in sorted(names))
+                for (ns, base_hash), names in self._names.items()
+                if ns == namespace
+            }
+            self.writes += 1
             try:
-                await self.kube.merge_patch(self._path(namespace), {"data": {base_hash: text}})
+                await self.kube.merge_patch(self._path(namespace), {"data": data})
             except KubeError as e:
                 if e.status != 404:
                     raise
@@ -100,6 +120,6 @@ class ConfigMapLedger(MemoryLedger):
                         "namespace": namespace,
                         "labels": {"app.kubernetes.io/managed-by": "lorafleet-operator"},
                     },
-                    "data": {base_hash: text},
+                    "data": data,
                 }
                 await self.kube.create(collection_path("", "v1", "configmaps", namespace), body)
