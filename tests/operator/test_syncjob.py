@@ -73,8 +73,10 @@ class Kube:
         self.jobs: dict[str, dict] = {}
         self.secrets: dict[str, dict] = {}  # "namespace/name" -> Secret
         self.deleted: list[str] = []
+        self.job_gets = 0
 
     async def get(self, path: str) -> dict | None:
+        self.job_gets += "/jobs/" in path
         if "/secrets/" in path:
             parts = path.split("/")
             return self.secrets.get(f"{parts[4]}/{parts[6]}")
@@ -109,7 +111,9 @@ async def test_failed_job_is_recreated_with_backoff_and_ttl_never_resyncs() -> N
     (job,) = kube.jobs.values()
     assert job["spec"]["activeDeadlineSeconds"] == 3600 and job["spec"]["ttlSecondsAfterFinished"] == 3600
     fail(job, seconds_ago=5)  # first backoff: 30 s
+    gets = kube.job_gets
     waiting = await jobs.ensure(pinned, source)
+    assert kube.job_gets == gets  # the Job comes from the cache the watch keeps, not a GET
     assert waiting.state == "failed" and "attempt 1, next try at" in waiting.message
     assert waiting.retry_after is not None and 20 < waiting.retry_after <= 25
     fail(job, seconds_ago=31)

@@ -155,8 +155,11 @@ class Runtime:
             if key[0] == pod.namespace and not model.is_lora and model.base_hash == pod.base_hash:
                 self.queue.add(key)  # base models list every pod
 
-    def on_job(self, body: Mapping[str, Any]) -> None:
+    def on_job(self, body: Mapping[str, Any], kind: str | None = None) -> None:
         meta = body.get("metadata") or {}
+        observe = getattr(self.reconciler.sync, "observe", None)
+        if observe is not None:
+            observe(body, deleted=kind == "DELETED")  # the Job cache: no GET per pass
         for owner in meta.get("ownerReferences") or []:
             if owner.get("kind") == "DynamoModel":
                 key = (meta.get("namespace", ""), owner.get("name", ""))
@@ -353,8 +356,8 @@ async def _pod_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_
 
 
 @kopf.on.event("batch", "v1", "jobs", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
-async def _job_event(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    _runtime(memo).on_job(body)
+async def _job_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    _runtime(memo).on_job(body, event.get("type"))
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)

@@ -170,6 +170,16 @@ class SyncJobs:
         self._token: tuple[str | None, float] | None = None  # (HF token from the Secret, read at)
         self._seen: dict[str, str] = {}  # job name -> last state counted in metrics
         self._revisions: dict[str, tuple[str, float]] = {}  # hf://org/repo@rev -> (sha, resolved at)
+        self._jobs: dict[tuple[str, str], Mapping[str, Any]] = {}  # (namespace, name) -> Job, from the watch
+
+    def observe(self, job: Mapping[str, Any], *, deleted: bool = False) -> None:
+        """Keep the Job cache current from the Jobs watch (``Runtime.on_job``)."""
+        meta = job.get("metadata") or {}
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        if deleted:
+            self._jobs.pop(key, None)
+        else:
+            self._jobs[key] = dict(job)
 
     async def ensure(self, model: Model, source: HfURI) -> SyncResult:
         uri = model.uri or str(source)
@@ -188,7 +198,9 @@ class SyncJobs:
             return SyncResult("succeeded", model.status.get("syncJob") or name, resolved, sha,
                               "synced", retry_after=recheck)  # fmt: skip
         path = f"/apis/batch/v1/namespaces/{model.namespace}/jobs"
-        job: Mapping[str, Any] | None = await self.kube.get(f"{path}/{name}")
+        job = self._jobs.get((model.namespace, name))
+        if job is None:  # not seen on the watch (yet): ask once
+            job = await self.kube.get(f"{path}/{name}")
         if job is None:
             job = await self._create(model, source, sha, path, name, attempt=1)
         state, message = job_state(job)
@@ -214,6 +226,7 @@ class SyncJobs:
             return SyncResult("failed", name, None, sha, f"{message}; attempt {attempt}, next try at {when}",
                               retry_after=wait)  # fmt: skip
         await self.kube.delete(f"{path}/{name}", {"propagationPolicy": "Background"})
+        self._jobs.pop((model.namespace, name), None)
         await self._create(model, source, sha, path, name, attempt=attempt + 1)
         return SyncResult("running", name, None, sha, f"sync Job recreated (attempt {attempt + 1})")
 
@@ -227,6 +240,8 @@ class SyncJobs:
             if e.status != 409:
                 raise
             job = await self.kube.get(f"{path}/{name}") or {}  # created meanwhile, or still being deleted
+        if job:
+            self._jobs[(model.namespace, name)] = job
         await self._delete_stale(model, path, name)
         return job
 
