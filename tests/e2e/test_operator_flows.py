@@ -642,7 +642,7 @@ def test_failed_swap_keeps_serving_the_last_good_version(stack: Stack) -> None:
         _patch(stack, "beta", {"source": {"uri": f"file://{stack.adapters['b']}"}})  # fixing the source
         wait_until(lambda: _caught_up(stack.dm("beta"), "Ready"), 180, "swap completed")
     assert _condition(stack.dm("beta"), "Degraded")["status"] == "False"
-    assert stack.text("org/beta-lora") == stack.text("org/file-lora")
+    assert stack.text("org/beta-lora") == stack.text("org/s3-lora")  # src-s3 was swapped to adapter b too
     assert traffic.ok > 0 and not traffic.failures, traffic.failures[:5]
 
 

@@ -210,3 +210,26 @@ async def test_pod_events_requeue_only_models_whose_placement_changes(cluster: C
     await cluster.settle()
     for i, n in enumerate(names):
         assert cluster.status(f"p{i}")["placement"] == place(n, five, 2)
+
+
+def test_router_keeps_a_handed_over_name_routable_through_the_deleted_owner() -> None:
+    from lorafleet_operator.router import RoutingTable
+
+    table = RoutingTable(inference_port=8000)
+    owner = {
+        "metadata": {
+            "name": "old",
+            "namespace": "ns",
+            "creationTimestamp": "2026-01-01T00:00:01Z",
+            "deletionTimestamp": "2026-01-01T01:00:00Z",
+        },
+        "spec": {"modelName": "org/x", "baseModelName": BASE, "modelType": "lora"},
+        "status": {"endpoints": [{"address": "http://127.0.0.9:9090", "podName": "w", "ready": True}]},
+    }
+    successor = {"metadata": {"name": "new", "namespace": "ns", "creationTimestamp": "2026-01-01T00:00:02Z"},
+                 "spec": {"modelName": "org/x", "baseModelName": BASE, "modelType": "lora"},
+                 "status": {"phase": "Failed"}}  # fmt: skip
+    table.on_model("MODIFIED", owner)
+    table.on_model("MODIFIED", successor)
+    table.on_pod("ADDED", pod_body("w", "127.0.0.9", True, BASE))
+    assert table.resolve("org/x") == ("adapter", ["http://127.0.0.9:8000"])  # until "new" publishes its own

@@ -280,8 +280,11 @@ class Runtime:
             unloaded: list[str] = []
             loser = owner is not None and owner.key != model.key  # never loaded: the name is someone else's
             if model.is_lora and (loser or self.wanted(model.namespace, model.base_hash, model.model_name)):
-                # the adapter is (or is about to be) another DynamoModel's: keep it loaded
+                # the adapter is (or is about to be) another DynamoModel's: keep it loaded, and
+                # (make-before-break) keep this object until the successor publishes endpoints
                 self.reconciler.forget_model(model, keep_loaded=True)
+                if not loser:
+                    await self._await_successor(model)
             elif model.is_lora:
                 unloaded = await self.reconciler.finalize(model, self.pods_of(model), self.settings.delete_timeout)
         self.queue.forget(model.key)
@@ -289,6 +292,16 @@ class Runtime:
         self.phases.pop(model.key, None)
         self._locks.pop(model.key, None)
         return unloaded
+
+    async def _await_successor(self, model: Model) -> None:
+        """Wait (at most ``delete_timeout``) until the new owner of ``model``'s name serves it."""
+        deadline = time.monotonic() + self.settings.delete_timeout
+        while time.monotonic() < deadline:
+            successor = self.owner(model)
+            if successor is None or successor.status.get("readyEndpoints"):
+                return
+            await asyncio.sleep(0.2)
+        log.warning("handing %s over: the next owner serves no endpoint yet", model.model_name)
 
     def idle(self) -> bool:
         return self.queue.idle()

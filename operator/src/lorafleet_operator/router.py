@@ -103,7 +103,12 @@ class RoutingTable:
         """("adapter" | "base", upstream URLs) for a model name, or None when unknown."""
         model = self.adapter(name)
         if model is not None:
-            return "adapter", self.adapter_endpoints(model)
+            endpoints = self.adapter_endpoints(model)
+            if not endpoints:  # a name being handed over: the deleted owner serves until its successor does
+                for other in self.models.values():
+                    if other.deleting and other.is_lora and other.model_name == name:
+                        endpoints += self.adapter_endpoints(other)
+            return "adapter", endpoints
         endpoints = self.base_endpoints(name)
         if endpoints or name in self.base_names():
             return "base", endpoints
