@@ -648,20 +648,20 @@ def test_failed_swap_keeps_serving_the_last_good_version(stack: Stack) -> None:
 
 def test_one_owner_per_name_no_flapping_and_handover(stack: Stack) -> None:
     uri = f"s3://{BUCKET}/adapters/a"
-    stack.apply(stack.dm_doc("dup-old", "org/dup", uri))
-    stack.wait_converged(["dup-old"], timeout=180)
-    stack.apply(stack.dm_doc("dup-new", "org/dup", uri))
-    obj = wait_until(lambda: (o := stack.dm("dup-new")) and phase_reason(o)[1] == "ModelNameConflict" and o,
+    stack.apply(stack.dm_doc("dup-1", "org/dup", uri))
+    stack.wait_converged(["dup-1"], timeout=180)
+    stack.apply(stack.dm_doc("dup-2", "org/dup", uri))  # created later (or in the same second: then by name)
+    obj = wait_until(lambda: (o := stack.dm("dup-2")) and phase_reason(o)[1] == "ModelNameConflict" and o,
                      60, "conflict reported")  # fmt: skip
-    assert "dup-old" in _condition(obj, "Ready")["message"] and _condition(obj, "Ready")["status"] == "False"
+    assert "dup-1" in _condition(obj, "Ready")["message"] and _condition(obj, "Ready")["status"] == "False"
     loads = stack.loads()
     window = time.monotonic() + 3 * 5 + 1  # three drift intervals of the operator (--drift-interval 5)
     while time.monotonic() < window:
         assert stack.loads() == loads, "a worker loaded again in a steady state"
         time.sleep(1)
     with Traffic(stack, ["org/dup"]) as traffic:
-        stack.cluster.kubectl("delete", "dm", "dup-old", "-n", stack.ns, "--timeout=60s")
-        stack.wait_converged(["dup-new"], timeout=120)
+        stack.cluster.kubectl("delete", "dm", "dup-1", "-n", stack.ns, "--timeout=60s")
+        stack.wait_converged(["dup-2"], timeout=120)
     assert traffic.ok > 0 and not traffic.failures, traffic.failures[:5]
     assert stack.loads() == loads  # same URI: handed over without reloading
 
@@ -671,8 +671,8 @@ def test_rename_and_orphans_are_unloaded_hand_loaded_ones_kept(stack: Stack) -> 
     ip = next(iter(workers.values()))
     body = {"lora_name": "hand/loaded", "source": {"uri": f"file://{stack.adapters['a']}"}}
     assert stack.http.post(f"http://{ip}:9090/v1/loras", json=body).status_code == 200
-    _patch(stack, "dup-new", {"modelName": "org/dup-renamed"})
-    stack.wait_converged(["dup-new"], timeout=120)
+    _patch(stack, "dup-2", {"modelName": "org/dup-renamed"})
+    stack.wait_converged(["dup-2"], timeout=120)
     wait_until(lambda: all("org/dup" not in stack.loras(i) for i in stack.ready_workers().values()), 60,
                "old name unloaded by the drift pass")  # fmt: skip
     assert "hand/loaded" in stack.loras(ip)
