@@ -184,11 +184,15 @@ def peak_rss_mib(pid: int) -> float:
     return 0.0
 
 
-def api_requests(cluster: Any) -> float:
-    text = cluster.kubectl("get", "--raw", "/metrics").stdout
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("apiserver_request_total{")
-    )
+def api_requests(cluster: Any) -> dict[str, float]:
+    """``apiserver_request_total`` summed per "VERB resource"."""
+    out: defaultdict[str, float] = defaultdict(float)
+    for line in cluster.kubectl("get", "--raw", "/metrics").stdout.splitlines():
+        if line.startswith("apiserver_request_total{"):
+            labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1 : line.rindex("}")].split(","))
+            key = f"{labels.get('verb', '').strip(chr(34))} {labels.get('resource', '').strip(chr(34))}"
+            out[key] += float(line.rsplit(" ", 1)[1])
+    return out
 
 
 async def run(cluster: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -226,11 +230,16 @@ async def run(cluster: Any, args: argparse.Namespace) -> dict[str, Any]:
         cold = await bench.wait_converged(names, args.timeout)
         log(f"cold start converged in {cold:.1f} s")
 
+        await asyncio.sleep(args.drift_interval)  # let the cold start's tail (Events, kopf) drain
         cpu0, req0, t1 = cpu_seconds(operator.pid), api_requests(cluster), time.monotonic()
         await asyncio.sleep(args.drift_interval * args.intervals)
         elapsed = time.monotonic() - t1
         cpu = (cpu_seconds(operator.pid) - cpu0) / args.intervals
-        rpm = (api_requests(cluster) - req0) / elapsed * 60
+        req1 = api_requests(cluster)
+        per_kind = {k: round((req1[k] - req0.get(k, 0)) / elapsed * 60) for k in req1 if req1[k] > req0.get(k, 0)}
+        rpm = sum(per_kind.values())
+        top = dict(sorted(per_kind.items(), key=lambda kv: -kv[1])[:6])
+        log(f"API requests/min by verb and resource: {top}")
         log(f"steady state: {cpu:.2f} CPU s per {args.drift_interval:g} s drift interval "
             f"({100 * cpu / args.drift_interval:.1f} % of a core), {rpm:.0f} API requests/min")  # fmt: skip
 
@@ -246,7 +255,7 @@ async def run(cluster: Any, args: argparse.Namespace) -> dict[str, Any]:
             "models": args.models, "workers": args.workers, "drift_interval_s": args.drift_interval,
             "cold_start_s": round(cold, 1), "plus_one_pod_s": round(plus, 1), "minus_one_pod_s": round(minus, 1),
             "steady_cpu_s_per_interval": round(cpu, 3), "steady_cpu_percent": round(100 * cpu / args.drift_interval, 2),
-            "peak_rss_mib": round(rss, 1), "api_requests_per_min": round(rpm),
+            "peak_rss_mib": round(rss, 1), "api_requests_per_min": round(rpm), "api_requests_by_kind": per_kind,
             "targets": {"steady_cpu_percent_lt": 10, "plus_one_pod_s_lt": 10, "cold_start_s_lt": 120},
         }  # fmt: skip
     finally:
