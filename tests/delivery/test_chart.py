@@ -71,6 +71,8 @@ OPERATOR_RULES = {
     ("batch", "jobs"): {"create", "get", "list", "watch", "delete"},
     ("", "events"): {"create"},
     ("events.k8s.io", "events"): {"create"},
+    ("", "configmaps"): {"create", "get", "patch"},  # the ledger lorafleet-adapters (get/patch by name)
+    ("coordination.k8s.io", "leases"): {"create", "get", "update"},  # --leader-elect (get/update by name)
 }
 ROUTER_RULES = {("nvidia.com", "dynamomodels"): {"get", "list", "watch"}, ("", "pods"): {"get", "list", "watch"}}
 
@@ -88,7 +90,7 @@ def rules_by_resource(roles: list[Doc]) -> dict[tuple[str, str], set[str]]:
     merged: dict[tuple[str, str], set[str]] = {}
     for role in roles:
         for rule in role["rules"]:
-            assert "resourceNames" not in rule or rule["resources"] == ["secrets"]
+            assert "resourceNames" not in rule or rule["resources"] in (["secrets"], ["configmaps"], ["leases"])
             for group in rule["apiGroups"]:
                 for resource in rule["resources"]:
                     merged.setdefault((group, resource), set()).update(rule["verbs"])

@@ -73,6 +73,20 @@ def test_dynamo_manifest_applies_unchanged_with_defaults(cluster: TestCluster, n
     assert table == ["NAME", "BASEMODEL", "TYPE", "PHASE", "READY", "TOTAL", "AGE"]
 
 
+def test_v1beta1_manifest_is_the_same_object_at_both_versions(cluster: TestCluster, ns: str) -> None:
+    out = apply(cluster, ns, DYNAMO_MANIFEST.replace("v1alpha1", "v1beta1").replace("my-lora", "beta-lora"))
+    assert out.returncode == 0, out.stderr
+    beta = json.loads(cluster.kubectl("get", "dynamomodels.v1beta1.nvidia.com", "beta-lora", "-n", ns,
+                                      "-o", "json").stdout)  # fmt: skip
+    alpha = json.loads(cluster.kubectl("get", "dynamomodels.v1alpha1.nvidia.com", "beta-lora", "-n", ns,
+                                       "-o", "json").stdout)  # fmt: skip
+    assert beta["apiVersion"] == "nvidia.com/v1beta1" and alpha["apiVersion"] == "nvidia.com/v1alpha1"
+    assert alpha["spec"] == beta["spec"] and alpha["spec"]["modelType"] == "lora"
+    assert alpha["metadata"]["uid"] == beta["metadata"]["uid"]
+    bad = apply(cluster, ns, {**lora("beta-bad", replicas=0), "apiVersion": "nvidia.com/v1beta1"})
+    assert bad.returncode != 0 and "spec.replicas" in bad.stderr  # same validation at v1beta1
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [

@@ -37,6 +37,7 @@ from lorafleet_devcluster.rawstack import (
     rbac,
 )
 from lorafleet_devcluster.session import TestCluster
+from lorafleet_operator.ledger import CONFIGMAP as LEDGER
 from lorafleet_operator.placement import place
 from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
 
@@ -268,6 +269,15 @@ def test_invalid_adapter_fails_while_others_keep_serving(stack: Stack) -> None:
 
 def test_source_change_hot_swaps_everywhere(stack: Stack) -> None:
     before, other = stack.text("org/s3-lora"), stack.text("org/file-lora")
+    with Traffic(stack, ["org/s3-lora"]) as traffic:
+        _swap_s3_lora(stack)
+    assert traffic.ok > 0 and not traffic.failures, traffic.failures[:5]
+    after = stack.text("org/s3-lora")
+    assert after != before and after == other  # same adapter files as src-file now
+    assert stack.dm("src-s3")["status"]["resolvedUri"] == f"file://{stack.adapters['b']}"
+
+
+def _swap_s3_lora(stack: Stack) -> None:
     stack.cluster.kubectl(
         "patch",
         "dm",
@@ -285,9 +295,6 @@ def test_source_change_hot_swaps_everywhere(stack: Stack) -> None:
         180,
         "hot swap",
     )
-    after = stack.text("org/s3-lora")
-    assert after != before and after == other  # same adapter files as src-file now
-    assert stack.dm("src-s3")["status"]["resolvedUri"] == f"file://{stack.adapters['b']}"
 
 
 def test_scale_up_to_5_moves_only_what_hrw_requires(stack: Stack) -> None:
@@ -310,13 +317,15 @@ def test_scale_up_to_5_moves_only_what_hrw_requires(stack: Stack) -> None:
 def test_deleted_worker_pod_is_replaced_and_gets_back_its_share(stack: Stack) -> None:
     placed = stack.dm("src-hf")["status"]["placement"]
     victim = placed[0]
-    stack.cluster.kubectl("delete", "pod", victim, "-n", stack.ns, "--wait=false")
-    wait_until(
-        lambda: victim not in stack.ready_workers() and len(stack.ready_workers()) == 5,
-        READY_S,
-        "replacement worker Ready",
-    )
-    stack.wait_converged(timeout=300)
+    with Traffic(stack, ["org/hf-lora"]) as traffic:  # the other holder serves throughout
+        stack.cluster.kubectl("delete", "pod", victim, "-n", stack.ns, "--wait=false")
+        wait_until(
+            lambda: victim not in stack.ready_workers() and len(stack.ready_workers()) == 5,
+            READY_S,
+            "replacement worker Ready",
+        )
+        stack.wait_converged(timeout=300)
+    assert traffic.ok > 0 and not traffic.failures, traffic.failures[:5]
     workers = stack.ready_workers()
     for ip_name, ip in workers.items():
         expected = {
@@ -413,6 +422,88 @@ def test_deleting_a_model_unloads_it(stack: Stack) -> None:
     stack.cluster.kubectl("delete", "dm", "src-file", "-n", stack.ns, "--timeout=60s")
     assert all("org/file-lora" not in stack.loras(ip) for ip in ips)
     wait_until(lambda: stack.complete("org/file-lora").status_code == 404, 30, "router forgot the model")
+
+
+def _patch(stack: Stack, name: str, spec: dict, version: str = "v1alpha1") -> None:
+    stack.cluster.kubectl("patch", f"dynamomodels.{version}.nvidia.com", name, "-n", stack.ns, "--type=merge",
+                          "-p", json.dumps({"spec": spec}))  # fmt: skip
+
+
+def _caught_up(obj: dict, phase: str) -> bool:
+    status = obj.get("status") or {}
+    return status.get("observedGeneration") == obj["metadata"]["generation"] and status.get("phase") == phase
+
+
+def _condition(obj: dict, type_: str) -> dict:
+    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def test_v1beta1_model_is_served_and_replicas_change_under_traffic(stack: Stack) -> None:
+    doc = stack.dm_doc("beta", "org/beta-lora", f"s3://{BUCKET}/adapters/a", replicas=1)
+    stack.apply({**doc, "apiVersion": "nvidia.com/v1beta1"})
+    stack.wait_converged(["beta"], timeout=180)
+    beta = stack.cluster.get(f"/apis/nvidia.com/v1beta1/namespaces/{stack.ns}/dynamomodels/beta")
+    assert beta["apiVersion"] == "nvidia.com/v1beta1" and beta["status"] == stack.dm("beta")["status"]
+    assert stack.text("org/beta-lora")
+    with Traffic(stack, ["org/beta-lora"]) as traffic:
+        for replicas in (3, 1, 2):
+            _patch(stack, "beta", {"replicas": replicas}, "v1beta1")
+            wait_until(lambda r=replicas: stack.dm("beta")["spec"].get("replicas") == r, 30, "patched")
+            stack.wait_converged(["beta"], timeout=180)
+    assert traffic.ok > 0 and not traffic.failures, traffic.failures[:5]
+
+
+def test_failed_swap_keeps_serving_the_last_good_version(stack: Stack) -> None:
+    before = stack.text("org/beta-lora")
+    with Traffic(stack, ["org/beta-lora"]) as traffic:
+        _patch(stack, "beta", {"source": {"uri": f"file://{stack.adapters['bad']}"}})
+        obj = wait_until(lambda: (o := stack.dm("beta")) and _condition(o, "Degraded").get("status") == "True" and o,
+                         180, "beta Degraded")  # fmt: skip
+        assert _condition(obj, "Degraded")["reason"] == "SwapFailed"
+        assert "rank" in _condition(obj, "Degraded")["message"].lower()
+        assert _condition(obj, "Ready")["status"] == "True"
+        assert obj["status"]["servedUri"] == f"s3://{BUCKET}/adapters/a"
+        assert stack.text("org/beta-lora") == before
+        _patch(stack, "beta", {"source": {"uri": f"file://{stack.adapters['b']}"}})  # fixing the source
+        wait_until(lambda: _caught_up(stack.dm("beta"), "Ready"), 180, "swap completed")
+    assert _condition(stack.dm("beta"), "Degraded")["status"] == "False"
+    assert stack.text("org/beta-lora") == stack.text("org/s3-lora")  # src-s3 was swapped to adapter b too
+    assert traffic.ok > 0 and not traffic.failures, traffic.failures[:5]
+
+
+def test_one_owner_per_name_no_flapping_and_handover(stack: Stack) -> None:
+    uri = f"s3://{BUCKET}/adapters/a"
+    stack.apply(stack.dm_doc("dup-1", "org/dup", uri))
+    stack.wait_converged(["dup-1"], timeout=180)
+    stack.apply(stack.dm_doc("dup-2", "org/dup", uri))  # created later (or in the same second: then by name)
+    obj = wait_until(lambda: (o := stack.dm("dup-2")) and phase_reason(o)[1] == "ModelNameConflict" and o,
+                     60, "conflict reported")  # fmt: skip
+    assert "dup-1" in _condition(obj, "Ready")["message"] and _condition(obj, "Ready")["status"] == "False"
+    loads = stack.loads()
+    window = time.monotonic() + 3 * 5 + 1  # three drift intervals of the operator (--drift-interval 5)
+    while time.monotonic() < window:
+        assert stack.loads() == loads, "a worker loaded again in a steady state"
+        time.sleep(1)
+    with Traffic(stack, ["org/dup"]) as traffic:
+        stack.cluster.kubectl("delete", "dm", "dup-1", "-n", stack.ns, "--timeout=60s")
+        stack.wait_converged(["dup-2"], timeout=120)
+    assert traffic.ok > 0 and not traffic.failures, traffic.failures[:5]
+    assert stack.loads() == loads  # same URI: handed over without reloading
+
+
+def test_rename_and_orphans_are_unloaded_hand_loaded_ones_kept(stack: Stack) -> None:
+    workers = stack.ready_workers()
+    ip = next(iter(workers.values()))
+    body = {"lora_name": "hand/loaded", "source": {"uri": f"file://{stack.adapters['a']}"}}
+    assert stack.http.post(f"http://{ip}:9090/v1/loras", json=body).status_code == 200
+    _patch(stack, "dup-2", {"modelName": "org/dup-renamed"})
+    stack.wait_converged(["dup-2"], timeout=120)
+    wait_until(lambda: all("org/dup" not in stack.loras(i) for i in stack.ready_workers().values()), 60,
+               "old name unloaded by the drift pass")  # fmt: skip
+    assert "hand/loaded" in stack.loras(ip)
+    ledger = stack.cluster.get(f"/api/v1/namespaces/{stack.ns}/configmaps/{LEDGER}")
+    names = set("".join(ledger["data"].values()).split())
+    assert "org/dup-renamed" in names and "hand/loaded" not in names
 
 
 def test_operator_and_router_logged_no_unhandled_errors(stack: Stack) -> None:

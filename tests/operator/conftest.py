@@ -26,7 +26,7 @@ import httpx
 import pytest
 from aiohttp import web
 from lorafleet_devcluster.nodeagent import AddressBlock
-from lorafleet_operator.reconcile import Pod
+from lorafleet_operator.resources import Pod
 from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash, lora_id
 
 _hosts = itertools.count(20)

@@ -43,9 +43,13 @@ def test_names_scope_and_version(crd: dict[str, Any]) -> None:
     assert spec["group"] == "nvidia.com" and spec["scope"] == "Namespaced"
     assert spec["names"]["kind"] == "DynamoModel" and spec["names"]["plural"] == "dynamomodels"
     assert spec["names"]["shortNames"] == ["dm"]
-    (version,) = spec["versions"]
-    assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
-    assert version["subresources"] == {"status": {}}
+    alpha, beta = spec["versions"]  # both versions NVIDIA Dynamo serves
+    assert alpha["name"] == "v1alpha1" and alpha["served"] and alpha["storage"]
+    assert beta["name"] == "v1beta1" and beta["served"] and not beta["storage"]
+    for key in ("schema", "subresources", "additionalPrinterColumns"):
+        assert alpha[key] == beta[key], f"{key} differs between the versions: a conversion webhook would be needed"
+    assert alpha["subresources"] == {"status": {}}
+    assert "conversion" not in spec or spec["conversion"] == {"strategy": "None"}
 
 
 def test_printer_columns(crd: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ The workers are real ``lorafleet-worker serve`` processes with real PEFT adapter
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -22,7 +23,8 @@ from aiohttp import web
 from lorafleet_operator import metrics
 from lorafleet_operator.handlers import Runtime
 from lorafleet_operator.placement import place
-from lorafleet_operator.reconcile import Model, Reconciler
+from lorafleet_operator.reconcile import Reconciler
+from lorafleet_operator.resources import Model
 from lorafleet_operator.router import Router, RoutingTable
 from lorafleet_operator.settings import Settings
 from lorafleet_operator.workers import WorkerClient
@@ -273,6 +275,100 @@ async def test_least_inflight_spreads_concurrent_requests(env: Env) -> None:
         router.inflight[endpoint] += 1
         seen.append(endpoint)
     assert {seen.count(e) for e in set(seen)} == {2} and len(set(seen)) == 3
+
+
+class Traffic:
+    """Back-to-back requests for one adapter through the router while changes happen; counts failures."""
+
+    def __init__(self, env: Env, model: str) -> None:
+        self.env, self.model = env, model
+        self.ok, self.failures, self.step = 0, [], "start"  # type: ignore[var-annotated]
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        body = {"model": self.model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+        while True:
+            try:
+                async with self.env.http.post(f"{self.env.router_url}/v1/completions", json=body) as resp:
+                    text = await resp.text()
+                    if resp.status == 200:
+                        self.ok += 1
+                    else:
+                        self.failures.append(f"{self.step}: {resp.status} {text[:200]}")
+            except aiohttp.ClientError as e:
+                self.failures.append(f"{self.step}: {e!r}")
+
+    async def __aenter__(self) -> Traffic:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+async def test_continuous_traffic_through_every_change_never_fails(env: Env) -> None:
+    """Make-before-break: scale-up, replicas change, hot swap, pod restart, scale-down; zero failed requests.
+
+    The router waits for no holder here (``unavailable_wait`` 0): a moment without a ready holder in
+    the published status would fail a request at once."""
+    name, ads = "org/mbb", env.fleet.adapters
+    pods = [w.name for w in env.fleet.workers]
+    best = place(name, pods, 3)
+    env.router.unavailable_wait, env.runtime.reconciler.unload_grace = 0, 0.5
+    first = pods.index(best[0])
+    env.set_pod(first, ready=False)  # the adapter's best pod is not there yet
+    env.apply("mbb", name, uri(ads["a"]), replicas=1)
+    await eventually(lambda: env.phase("mbb") == "Ready", what="mbb Ready")
+    assert env.holders(name) == {best[1]}
+
+    def settled(want: set[str]) -> bool:
+        return env.phase("mbb") == "Ready" and env.holders(name) == want == set(env.status("mbb")["placement"])
+
+    async with Traffic(env, name) as traffic:
+        traffic.step = "scale-up"
+        env.set_pod(first, ready=True)  # scale-up: the only replica moves to the new pod
+        await eventually(lambda: settled({best[0]}), what="moved to the new pod")
+        traffic.step = "replicas 2"
+        env.apply("mbb", name, uri(ads["a"]), replicas=2)
+        await eventually(lambda: settled(set(best[:2])), what="replicas 2")
+        traffic.step = "hot swap"
+        env.apply("mbb", name, uri(ads["b"]), replicas=2)  # hot swap
+        await eventually(lambda: env.status("mbb").get("servedUri") == uri(ads["b"]) and settled(set(best[:2])),
+                         what="swapped")  # fmt: skip
+        # a holder restarts: gone from the router, back empty under a new uid
+        traffic.step = "restart"
+        body = env.fleet.workers[first].pod_body()
+        env.runtime.on_pod("MODIFIED", {**body, "status": {**body["status"], "conditions": []}})
+        env.table.on_pod("MODIFIED", {**body, "status": {**body["status"], "conditions": []}})
+        async with env.http.delete(f"{env.fleet.workers[first].mgmt}/v1/loras/{name}") as resp:
+            assert resp.status == 200
+        await eventually(lambda: settled({best[1], best[2]}), what="re-placed around the restarting pod")
+        restarted = {**body, "metadata": {**body["metadata"], "uid": "uid-restarted"}}
+        env.runtime.on_pod("MODIFIED", restarted)
+        env.table.on_pod("MODIFIED", restarted)
+        await eventually(lambda: settled(set(best[:2])), what="back on the restarted pod")
+        traffic.step = "replicas 1"
+        env.apply("mbb", name, uri(ads["b"]), replicas=1)  # replicas down
+        await eventually(lambda: settled({best[0]}), what="replicas 1")
+        # scale-down: the holder's pod terminates (serving through its grace period), then is gone
+        traffic.step = "scale-down"
+        body = env.fleet.workers[first].pod_body()
+        terminating = {**body, "metadata": {**body["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+        for sink in (env.runtime.on_pod, env.table.on_pod):
+            sink("MODIFIED", terminating)
+        moved = {"placement": [best[1]], "totalEndpoints": 1, "readyEndpoints": 1, "phase": "Ready"}
+        await eventually(lambda: all(env.status("mbb").get(k) == v for k, v in moved.items())
+                         and best[1] in env.holders(name), what="moved off the terminating pod")  # fmt: skip
+        for sink in (env.runtime.on_pod, env.table.on_pod):
+            sink("DELETED", terminating)
+    assert traffic.ok > 0
+    assert not traffic.failures, traffic.failures[:5]
+    for sink in (env.runtime.on_pod, env.table.on_pod):
+        sink("ADDED", env.fleet.workers[first].pod_body())
+    env.router.unavailable_wait = 3
 
 
 async def test_delete_unloads_everywhere(env: Env) -> None:

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from lorafleet_operator import status as st
 from lorafleet_operator.placement import place
-from lorafleet_operator.reconcile import Model, Pod, Reconciler, Result, SyncResult
+from lorafleet_operator.reconcile import Reconciler, Result, SyncResult
+from lorafleet_operator.resources import Model, Pod
 from lorafleet_operator.workers import WorkerClient
 from lorafleet_sync.ids import base_model_hash
 from lorafleet_sync.uris import HfURI
@@ -57,6 +58,7 @@ def make(workers: list[MgmtWorker], **kw: Any) -> tuple[Reconciler, Events]:
     events = Events()
     client = WorkerClient(call_timeout=2, load_timeout=5, backoff=0.01, token=kw.pop("token", None))
     _clients.append(client)
+    kw.setdefault("unload_grace", 0.0)
     return Reconciler(client, management_port=workers[0].port, emit=events, retry_base=0.5, **kw), events
 
 
@@ -99,6 +101,7 @@ async def test_loads_on_hrw_placement_and_is_idempotent(mgmt_workers: list[MgmtW
     assert {c["type"]: c["status"] for c in s["conditions"]} == {
         "Synced": "True",
         "EndpointsReady": "True",
+        "Degraded": "False",
         "Ready": "True",
     }
     assert all(c["observedGeneration"] == 1 for c in s["conditions"])

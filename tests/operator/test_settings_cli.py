@@ -69,7 +69,7 @@ def test_render_keeps_transition_time_until_status_changes() -> None:
     changed = st.render(observed, first, now="2026-01-01T00:09:00Z")
     times = {c["type"]: c["lastTransitionTime"] for c in changed["conditions"]}
     assert times == {"Synced": "2026-01-01T00:00:00Z", "EndpointsReady": "2026-01-01T00:09:00Z",
-                     "Ready": "2026-01-01T00:09:00Z"}  # fmt: skip
+                     "Degraded": "2026-01-01T00:00:00Z", "Ready": "2026-01-01T00:09:00Z"}  # fmt: skip
     ready = st.condition(changed, "Ready")
     assert ready is not None and ready["reason"] == "PartiallyLoaded" and ready["status"] == "False"
     assert st.status_patch({"revision": None, "phase": "Ready"}, {"revision": "x", "phase": "Ready"}) == {

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from lorafleet_operator.reconcile import Model
+import base64
+import dataclasses
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from lorafleet_devcluster.hfhub import LocalHub
+from lorafleet_operator.resources import Model
 from lorafleet_operator.settings import Settings
-from lorafleet_operator.syncjob import REVISION_ANNOTATION, job_manifest, job_name, job_state
+from lorafleet_operator.syncjob import REVISION_ANNOTATION, SyncJobs, job_manifest, job_name, job_state
+from lorafleet_sync.hf import HfSettings
 from lorafleet_sync.uris import HfURI
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -29,7 +37,7 @@ def test_job_name_is_deterministic_and_valid() -> None:
 def test_manifest_pins_the_revision_and_is_owned() -> None:
     job = job_manifest(model(), HfURI("org", "repo", "main"), SHA, settings())
     meta, spec = job["metadata"], job["spec"]
-    assert meta["name"] == job_name("org/adapter", "hf://org/repo@main")
+    assert meta["name"] == job_name("org/adapter", "hf://org/repo@main", SHA)
     assert meta["annotations"][REVISION_ANNOTATION] == SHA
     (owner,) = meta["ownerReferences"]
     assert owner["kind"] == "DynamoModel" and owner["uid"] == "uid-1" and owner["controller"]
@@ -55,3 +63,98 @@ def test_job_state() -> None:
                                          "message": "exit code 2"}]}}  # fmt: skip
     state, message = job_state(failed)
     assert state == "failed" and "PodFailurePolicy" in message and "exit code 2" in message
+
+
+class Kube:
+    """The few Kubernetes calls SyncJobs makes, on a dict of Jobs (the real ones run in e2e)."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, dict] = {}
+        self.secrets: dict[str, dict] = {}  # "namespace/name" -> Secret
+        self.deleted: list[str] = []
+        self.job_gets = 0
+
+    async def get(self, path: str) -> dict | None:
+        self.job_gets += "/jobs/" in path
+        if "/secrets/" in path:
+            parts = path.split("/")
+            return self.secrets.get(f"{parts[4]}/{parts[6]}")
+        return self.jobs.get(path.rsplit("/", 1)[1])
+
+    async def create(self, path: str, body: dict) -> dict:
+        self.jobs[body["metadata"]["name"]] = body
+        return body
+
+    async def delete(self, path: str, body: dict | None = None) -> None:
+        name = path.rsplit("/", 1)[1]
+        self.deleted.append(name)
+        self.jobs.pop(name, None)
+
+    async def request(self, method: str, path: str, params: dict | None = None) -> dict:
+        return {"items": list(self.jobs.values())}
+
+
+def fail(job: dict, seconds_ago: float) -> None:
+    at = datetime.fromtimestamp(time.time() - seconds_ago, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    job["status"] = {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                                     "lastTransitionTime": at}]}  # fmt: skip
+
+
+async def test_failed_job_is_recreated_with_backoff_and_ttl_never_resyncs() -> None:
+    kube = Kube()
+    jobs = SyncJobs(kube, Settings(store_bucket="loras", retry_base=1.0), HfSettings("http://hub", None))  # type: ignore[arg-type]
+    pinned = model(f"hf://org/repo@{SHA}")
+    source = HfURI("org", "repo", SHA)
+    first = await jobs.ensure(pinned, source)
+    assert first.state == "running" and first.revision == SHA
+    (job,) = kube.jobs.values()
+    assert job["spec"]["activeDeadlineSeconds"] == 3600 and job["spec"]["ttlSecondsAfterFinished"] == 3600
+    fail(job, seconds_ago=5)  # first backoff: 30 s
+    gets = kube.job_gets
+    waiting = await jobs.ensure(pinned, source)
+    assert kube.job_gets == gets  # the Job comes from the cache the watch keeps, not a GET
+    assert waiting.state == "failed" and "attempt 1, next try at" in waiting.message
+    assert waiting.retry_after is not None and 20 < waiting.retry_after <= 25
+    fail(job, seconds_ago=31)
+    again = await jobs.ensure(pinned, source)
+    assert again.state == "running" and kube.deleted == [first.job_name]
+    assert kube.jobs[first.job_name]["metadata"]["annotations"]["lorafleet.nvidia.com/attempt"] == "2"
+    fail(kube.jobs[first.job_name], seconds_ago=31)  # second backoff: 60 s
+    assert (await jobs.ensure(pinned, source)).state == "failed"
+    kube.jobs[first.job_name]["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+    done = await jobs.ensure(pinned, source)
+    assert done.state == "succeeded" and done.resolved_uri == f"s3://loras/org/repo/{SHA}"
+    status = {"revision": SHA, "resolvedUri": done.resolved_uri, "syncJob": done.job_name,
+              "conditions": [{"type": "Synced", "status": "True", "reason": "SyncSucceeded"}]}  # fmt: skip
+    kube.jobs.clear()  # ttlSecondsAfterFinished removed it
+    after_ttl = await jobs.ensure(dataclasses.replace(pinned, status=status), source)
+    assert after_ttl.state == "succeeded" and not kube.jobs
+
+
+FILES = {"adapter_config.json": b'{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}',
+         "adapter_model.safetensors": b"weights"}  # fmt: skip
+
+
+async def test_private_repo_resolves_with_the_token_secret_and_a_moved_branch_syncs_again(tmp_path: Path) -> None:
+    hub = LocalHub(tmp_path / "hub", token="hf_secret_token").start()
+    try:
+        first = hub.commit("org/private", FILES)
+        kube = Kube()
+        cfg = Settings(store_bucket="loras", hf_token_secret="hf-token", revision_interval=0)
+        jobs = SyncJobs(kube, cfg, HfSettings(hub.url, None), secret_namespace="lorafleet")  # type: ignore[arg-type]
+        source = HfURI("org", "private", "main")
+        m = model("hf://org/private@main")
+        missing = await jobs.ensure(m, source)  # no Secret yet: the hub refuses, clearly
+        assert missing.state == "failed" and missing.reason == "RevisionResolveFailed" and not kube.jobs
+        assert "hf_secret_token" not in missing.message
+        kube.secrets["lorafleet/hf-token"] = {"data": {"HF_TOKEN": base64.b64encode(b"hf_secret_token").decode()}}
+        jobs._token = None  # the Secret appeared (re-read every revision interval anyway)
+        ok = await jobs.ensure(m, source)
+        assert ok.state == "running" and ok.revision == first
+        assert kube.jobs[ok.job_name]["metadata"]["annotations"][REVISION_ANNOTATION] == first
+        moved = hub.commit("org/private", {**FILES, "adapter_model.safetensors": b"new weights"})
+        again = await jobs.ensure(m, source)  # re-resolved: a new commit, a new Job
+        assert again.revision == moved != first and again.job_name != ok.job_name
+        assert kube.deleted == [ok.job_name]  # the older commit's Job
+    finally:
+        hub.stop()

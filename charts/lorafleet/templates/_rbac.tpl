@@ -29,6 +29,22 @@ ClusterRoles. They list exactly what the code calls (SPEC §7); no wildcards.
 - apiGroups: [events.k8s.io]
   resources: [events]
   verbs: [create]
+# The ledger of adapter names the operator placed (one ConfigMap per namespace, see ledger.py).
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [create]
+- apiGroups: [""]
+  resources: [configmaps]
+  resourceNames: [lorafleet-adapters]
+  verbs: [get, patch]
+# Leader election of several replicas (--leader-elect): the Lease lorafleet-operator.
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [create]
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  resourceNames: [lorafleet-operator]
+  verbs: [get, update]
 {{- if include "lorafleet.copiesStoreSecret" . }}
 # Sync Jobs read the store keys in their own namespace: the operator keeps a copy of the store
 # Secret there (create; get/update of that one name only).

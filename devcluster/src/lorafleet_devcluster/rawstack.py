@@ -29,6 +29,13 @@ OPERATOR_RULES = [
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "list", "watch", "delete"]},
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]},
+    {
+        "apiGroups": [""],
+        "resources": ["configmaps"],
+        "resourceNames": ["lorafleet-adapters"],
+        "verbs": ["get", "patch"],
+    },
 ]
 ROUTER_RULES = [
     {"apiGroups": ["nvidia.com"], "resources": ["dynamomodels"], "verbs": ["get", "list", "watch"]},

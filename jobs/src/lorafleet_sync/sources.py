@@ -26,7 +26,7 @@ from .cache import DiskCache
 from .errors import SourceError
 from .log import get_logger
 from .manifest import validate_adapter_dir
-from .retry import FetchPolicy
+from .retry import FetchPolicy, retry_async
 from .uris import S3URI, AdapterURI, FileURI, HfURI, URIError, cache_key, is_commit_sha, parse_uri
 
 __all__ = ["AdapterSources", "FetchPolicy", "SourceError"]
@@ -139,20 +139,14 @@ class AdapterSources:
 
     async def _fetch_remote(self, uri: S3URI | HfURI) -> Path:
         """Download with retries (exponential backoff) until the policy's total deadline."""
-        deadline = time.monotonic() + self.policy.deadline_s
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await asyncio.to_thread(self._fetch_once, uri, deadline)
-            except SourceError as err:
-                final = self.policy.give_up(err, attempt, deadline)
-                if final is not None:
-                    raise final from None
-                delay = self.policy.backoff(attempt)
-                self.stats["retries"] += 1
-                log.warning("fetch %s failed (attempt %d, %s), retrying in %.1fs", uri, attempt, err.message, delay)
-                await asyncio.sleep(delay)
+        deadline = self.policy.start()
+
+        def retried() -> None:
+            self.stats["retries"] += 1
+
+        return await retry_async(
+            lambda: asyncio.to_thread(self._fetch_once, uri, deadline), self.policy, f"fetch {uri}", on_retry=retried
+        )
 
     def _fetch_once(self, uri: S3URI | HfURI, deadline: float) -> Path:
         """One attempt (in a thread): cache hit, or download into a temp dir, validate, commit."""

@@ -6,13 +6,22 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
 from lorafleet_operator.settings import Settings, add_arguments
 
 OPERATOR_FLAGS = None  # every settings field except the router's
-ROUTER_FLAGS = ("namespaces", "all_namespaces", "inference_port", "router_port", "router_timeout", "bind_host")
+ROUTER_FLAGS = (
+    "namespaces",
+    "all_namespaces",
+    "inference_port",
+    "router_port",
+    "router_timeout",
+    "bind_host",
+    "router_unavailable_wait",
+)
 
 
 def _namespaces(settings: Settings) -> Settings:
@@ -55,6 +64,8 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
 
     from lorafleet_operator import bootstrap_secrets, handlers, metrics
     from lorafleet_operator.kube import EventPoster, KubeClient
+    from lorafleet_operator.leader import LEASE_NAME, LeaderElector, run_as_leader, standby_liveness
+    from lorafleet_operator.ledger import ConfigMapLedger
     from lorafleet_operator.reconcile import Reconciler
     from lorafleet_operator.syncjob import SyncJobs
     from lorafleet_operator.workers import WorkerClient
@@ -64,6 +75,7 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
 
     async def main() -> None:
         kube = KubeClient.from_environment()
+        home = os.environ.get("POD_NAMESPACE") or (settings.namespaces or ("default",))[0]  # the operator's own
         events = EventPoster(kube, "lorafleet-operator")
         hf = HfSettings.from_env()
         if settings.hf_endpoint:
@@ -79,15 +91,18 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
             client,
             default_replicas=settings.default_replicas,
             management_port=settings.management_port,
-            sync=SyncJobs(kube, settings, hf) if settings.store_configured else None,
+            sync=SyncJobs(kube, settings, hf, home) if settings.store_configured else None,
             emit=handlers.event_sink(events),
-            listing_ttl=settings.drift_interval,
+            ledger=ConfigMapLedger(kube),
+            listing_ttl=2 * settings.drift_interval,  # the drift pass refreshes every listing
             retry_base=settings.retry_base,
             retry_max=settings.retry_max,
+            unload_grace=settings.unload_grace,
         )
         runtime = handlers.Runtime(settings, reconciler, handlers.kube_status_writer(kube))
         liveness = f"http://{settings.bind_host}:{settings.liveness_port}/healthz" if settings.liveness_port else None
-        try:
+
+        async def operate() -> None:
             await kopf.operator(
                 clusterwide=settings.all_namespaces,
                 namespaces=() if settings.all_namespaces else settings.namespaces,
@@ -96,6 +111,16 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
                 liveness_endpoint=liveness,
                 memo=kopf.Memo(runtime=runtime, kube=kube, events=events),
             )
+
+        try:
+            if settings.leader_elect:
+                identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+                elector = LeaderElector(kube, home, LEASE_NAME, identity)
+                async with standby_liveness(settings):
+                    await elector.acquire()
+                await run_as_leader(elector, operate)
+            else:
+                await operate()
         finally:
             await kube.close()
 

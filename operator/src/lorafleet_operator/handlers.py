@@ -2,12 +2,16 @@
 
 - ``@kopf.on.event`` for DynamoModels, worker pods (label ``nvidia.com/dynamo-base-model-hash``)
   and our sync Jobs only update caches and queue model keys; they never block on workers.
-  Pods are indexed by (namespace, base-model hash); a pod appearing, vanishing, changing IP or
-  flipping Ready re-queues every model of its base model (re-placement).
+  A pod leaving (unready, gone, new IP or uid) re-queues only the models placed on it; a pod
+  joining re-queues only the models whose top-``replicas`` set it enters (``placement.takes``).
+- Name ownership: among live LoRA DynamoModels with the same (base model, ``modelName``) in the
+  watched scope the oldest (creationTimestamp, then namespace/name) owns the name; the others
+  get ``ModelNameConflict`` and are never loaded. A change of claimants re-queues them all, so
+  deleting the owner hands the name over (the adapter stays loaded: no gap).
 - ``Runtime`` runs ``reconcile_workers`` tasks over a de-duplicating queue, so one model is
   never reconciled twice at once, and patches ``status`` only when it changed (merge patch).
-- A drift timer invalidates the per-pod ``GET /v1/loras`` cache and re-queues every model
-  every ``drift_interval`` seconds (worker restarts, lost adapters).
+- A drift timer runs ``drift.drift_pass`` every ``drift_interval`` seconds: one listing per pod,
+  re-queueing only models whose pods differ, unloading orphans the ledger says we placed.
 - ``@kopf.on.delete`` (finalizer ``nvidia.com/finalizer``) unloads with a bounded wait.
 """
 
@@ -15,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
@@ -25,8 +31,11 @@ from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL
 
 from lorafleet_operator import metrics
 from lorafleet_operator import status as st
+from lorafleet_operator.drift import drift_pass
 from lorafleet_operator.kube import EventPoster, KubeClient, collection_path
-from lorafleet_operator.reconcile import Model, Pod, Reconciler
+from lorafleet_operator.placement import takes
+from lorafleet_operator.reconcile import Reconciler
+from lorafleet_operator.resources import Model, Pod
 from lorafleet_operator.settings import Settings
 from lorafleet_operator.syncjob import MANAGED_BY
 from lorafleet_operator.workqueue import WorkQueue
@@ -42,7 +51,7 @@ StatusWriter = Callable[[Model, Mapping[str, Any]], Awaitable[dict[str, Any] | N
 
 
 class Runtime:
-    """Caches (models, pods by base hash), the queue, and the reconcile workers."""
+    """Caches (models, pods by base hash), the name owners, the queue, and the reconcile workers."""
 
     def __init__(self, settings: Settings, reconciler: Reconciler, write_status: StatusWriter) -> None:
         self.settings = settings
@@ -50,8 +59,10 @@ class Runtime:
         self.write_status = write_status
         self.queue: WorkQueue[Key] = WorkQueue()
         self.models: dict[Key, dict[str, Any]] = {}
+        self.parsed: dict[Key, Model] = {}
         self.pods: dict[Key, Pod] = {}
         self.phases: dict[Key, str] = {}
+        self.claimants: defaultdict[tuple[str, str], set[Key]] = defaultdict(set)  # served name -> live LoRAs
         self._locks: dict[Key, asyncio.Lock] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -59,14 +70,45 @@ class Runtime:
     def on_model(self, kind: str | None, body: Mapping[str, Any]) -> None:
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", ""), meta.get("name", ""))
+        old = self.parsed.get(key)
         if kind == "DELETED":
             self.models.pop(key, None)
+            self.parsed.pop(key, None)
             self.phases.pop(key, None)
             self.queue.forget(key)
+            self._claim(key, old, None)
             return
+        model = Model.from_body(body)
         self.models[key] = dict(body)
-        if not meta.get("deletionTimestamp"):
+        self.parsed[key] = model
+        self._claim(key, old, model)
+        if not model.deleting:
             self.queue.add(key)
+
+    def _claim(self, key: Key, old: Model | None, new: Model | None) -> None:
+        """Keep ``claimants`` current; a change of who claims a name re-queues every claimant of it."""
+        before = old.served_name if old is not None and old.is_lora and not old.deleting else None
+        after = new.served_name if new is not None and new.is_lora and not new.deleting else None
+        if before == after:
+            return
+        for name in (before, after):
+            if name is None:
+                continue
+            if name == before:
+                self.claimants[name].discard(key)
+            else:
+                self.claimants[name].add(key)
+            for other in self.claimants[name]:
+                self.queue.add(other)
+            if not self.claimants[name]:
+                del self.claimants[name]
+
+    def owner(self, model: Model) -> Model | None:
+        """The oldest live DynamoModel claiming ``model``'s served name (None if there is none)."""
+        keys = self.claimants.get(model.served_name)
+        if not keys:
+            return None
+        return min((self.parsed[k] for k in keys if k in self.parsed), key=lambda m: m.seniority, default=None)
 
     def on_pod(self, kind: str | None, body: Mapping[str, Any]) -> None:
         pod = Pod.from_body(body)
@@ -74,35 +116,55 @@ class Runtime:
         old = self.pods.get(key)
         if kind == "DELETED":
             self.pods.pop(key, None)
-            self.reconciler.forget_pod(pod.uid)
-            self.requeue_base(pod.namespace, pod.base_hash)
-            return
-        self.pods[key] = pod
-        if old is not None and (old.uid, old.ip, old.ready, old.base_hash) == (
-            pod.uid,
-            pod.ip,
-            pod.ready,
-            pod.base_hash,
-        ):
-            return
-        if old is not None and (old.uid != pod.uid or old.ready != pod.ready or old.ip != pod.ip):
+            pod = dataclasses.replace(pod, ready=False)
+        else:
+            self.pods[key] = pod
+        was = old is not None and old.ready and bool(old.ip)
+        now = pod.ready and bool(pod.ip)
+        moved = old is not None and (old.uid, old.ip, old.base_hash) != (pod.uid, pod.ip, pod.base_hash)
+        if old is not None and (moved or not now):
             self.reconciler.forget_pod(old.uid)  # a restarted worker comes back empty
-        if old is not None and old.base_hash != pod.base_hash:
-            self.requeue_base(pod.namespace, old.base_hash)
-        self.requeue_base(pod.namespace, pod.base_hash)
+        if old is not None and was and (moved or not now):
+            self._requeue_placed_on(old)
+        if now and (not was or moved):
+            self._requeue_taken_by(pod)
 
-    def on_job(self, body: Mapping[str, Any]) -> None:
+    def _lora_models(self, namespace: str, base_hash: str | None) -> list[tuple[Key, Model]]:
+        return [
+            (k, m)
+            for k, m in self.parsed.items()
+            if k[0] == namespace and m.is_lora and not m.deleting and m.base_hash == base_hash
+        ]
+
+    def _requeue_placed_on(self, pod: Pod) -> None:
+        """A pod left: only the models it was placed on (or still listed as an endpoint) move."""
+        for key, model in self._lora_models(pod.namespace, pod.base_hash):
+            endpoints = model.status.get("endpoints") or []
+            if pod.name in (model.status.get("placement") or []) or any(
+                e.get("podName") == pod.name for e in endpoints
+            ):
+                self.queue.add(key)
+
+    def _requeue_taken_by(self, pod: Pod) -> None:
+        """A pod joined: only the models whose top-``replicas`` set it enters move."""
+        for key, model in self._lora_models(pod.namespace, pod.base_hash):
+            replicas = model.replicas or self.settings.default_replicas
+            if takes(model.model_name, model.status.get("placement") or [], replicas, pod.name):
+                self.queue.add(key)
+        for key, model in self.parsed.items():
+            if key[0] == pod.namespace and not model.is_lora and model.base_hash == pod.base_hash:
+                self.queue.add(key)  # base models list every pod
+
+    def on_job(self, body: Mapping[str, Any], kind: str | None = None) -> None:
         meta = body.get("metadata") or {}
+        observe = getattr(self.reconciler.sync, "observe", None)
+        if observe is not None:
+            observe(body, deleted=kind == "DELETED")  # the Job cache: no GET per pass
         for owner in meta.get("ownerReferences") or []:
             if owner.get("kind") == "DynamoModel":
                 key = (meta.get("namespace", ""), owner.get("name", ""))
                 if key in self.models:
                     self.queue.add(key)
-
-    def requeue_base(self, namespace: str, base_hash: str | None) -> None:
-        for key, body in self.models.items():
-            if key[0] == namespace and Model.from_body(body).base_hash == base_hash:
-                self.queue.add(key)
 
     def requeue_all(self) -> None:
         for key in self.models:
@@ -132,8 +194,19 @@ class Runtime:
     async def _drift(self) -> None:
         while True:
             await asyncio.sleep(self.settings.drift_interval)
-            self.reconciler.invalidate_listings()
-            self.requeue_all()
+            try:
+                await self.drift()
+            except Exception:
+                log.exception("drift pass failed")
+
+    async def drift(self) -> None:
+        """One drift pass over every Ready worker pod (see ``drift.drift_pass``)."""
+        owners = [(k, m) for k, m in self.parsed.items() if m.is_lora and not m.deleting and self.owner(m) is m]
+        await drift_pass(self.reconciler, list(self.pods.values()), owners, self.queue.add, self.wanted)
+
+    def wanted(self, namespace: str, base_hash: str, name: str) -> bool:
+        """Whether a live LoRA DynamoModel in ``namespace`` claims ``name`` for that base model."""
+        return any(k[0] == namespace for k in self.claimants.get((base_hash, name), ()))
 
     async def _work(self) -> None:
         while True:
@@ -161,8 +234,14 @@ class Runtime:
                 if await self._write(key, model, new, current):
                     current = new
 
+            owner = self.owner(model)
             started = time.monotonic()
-            result = await self.reconciler.reconcile(model, self.pods_of(model), progress=write)
+            result = await self.reconciler.reconcile(
+                model,
+                self.pods_of(model),
+                progress=write,
+                owner=owner if owner is not None and owner.key != key else None,
+            )
             metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
             await write(result.status)
             metrics.RECONCILES.labels("requeue" if result.requeue_after else "ok").inc()
@@ -191,17 +270,38 @@ class Runtime:
 
     async def finalize(self, body: Mapping[str, Any]) -> list[str]:
         """Unload a deleted model everywhere (bounded wait) and forget it."""
+        meta = body.get("metadata") or {}
+        if not meta.get("deletionTimestamp"):
+            body = {**body, "metadata": {**meta, "deletionTimestamp": st.now_iso()}}
         model = Model.from_body(body)
-        self.models[model.key] = dict(body)  # carries deletionTimestamp: workers skip it
+        owner = self.owner(model)
+        self.on_model("MODIFIED", body)  # deleting: workers skip it, the name is handed over
         async with self._locks.setdefault(model.key, asyncio.Lock()):
             unloaded: list[str] = []
-            if model.is_lora:
+            loser = owner is not None and owner.key != model.key  # never loaded: the name is someone else's
+            if model.is_lora and (loser or self.wanted(model.namespace, model.base_hash, model.model_name)):
+                # the adapter is (or is about to be) another DynamoModel's: keep it loaded, and
+                # (make-before-break) keep this object until the successor publishes endpoints
+                self.reconciler.forget_model(model, keep_loaded=True)
+                if not loser:
+                    await self._await_successor(model)
+            elif model.is_lora:
                 unloaded = await self.reconciler.finalize(model, self.pods_of(model), self.settings.delete_timeout)
         self.queue.forget(model.key)
         self._set_phase(model.key, None)
         self.phases.pop(model.key, None)
         self._locks.pop(model.key, None)
         return unloaded
+
+    async def _await_successor(self, model: Model) -> None:
+        """Wait (at most ``delete_timeout``) until the new owner of ``model``'s name serves it."""
+        deadline = time.monotonic() + self.settings.delete_timeout
+        while time.monotonic() < deadline:
+            successor = self.owner(model)
+            if successor is None or successor.status.get("readyEndpoints"):
+                return
+            await asyncio.sleep(0.2)
+        log.warning("handing %s over: the next owner serves no endpoint yet", model.model_name)
 
     def idle(self) -> bool:
         return self.queue.idle()
@@ -228,6 +328,14 @@ async def _configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any)
     # namespaces are explicit and the CRD is installed before the operator (Helm's crds/), so a
     # static setup loses nothing; a CRD installed after the operator needs an operator restart.
     settings.scanning.disabled = True
+    # Server-side label selectors: the API server sends only worker pods and our sync Jobs (the
+    # handlers' `labels=` filters alone would filter every pod of the namespace client-side).
+    settings.watching.label_selectors["v1", "pods"] = BASE_MODEL_HASH_LABEL
+    settings.watching.label_selectors["batch", "v1", "jobs"] = f"app.kubernetes.io/managed-by={MANAGED_BY}"
+    # "Handler ... succeeded" for every watch event is noise at thousands of objects (and CPU);
+    # our own log lines say what was done. --verbose keeps kopf's.
+    if not log.isEnabledFor(logging.DEBUG):
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     runtime = _runtime(memo)
     await prime_pods(memo["kube"], runtime)
     runtime.start()
@@ -261,8 +369,8 @@ async def _pod_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_
 
 
 @kopf.on.event("batch", "v1", "jobs", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
-async def _job_event(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    _runtime(memo).on_job(body)
+async def _job_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    _runtime(memo).on_job(body, event.get("type"))
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)

@@ -37,3 +37,14 @@ def place(model_name: str, pods: Iterable[str], replicas: int) -> list[str]:
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     return rank(model_name, pods)[:replicas]
+
+
+def takes(model_name: str, placement: Iterable[str], replicas: int, pod_name: str) -> bool:
+    """Whether ``pod_name`` joining the eligible pods enters ``model_name``'s current ``placement``.
+
+    One hash per placed pod instead of ranking every pod: what a pod event costs per model."""
+    current = [p for p in placement if p != pod_name]
+    if len(current) < replicas:
+        return True
+    weakest = max((-hrw_score(model_name, p), p) for p in current)  # ranked last by ``rank``
+    return (-hrw_score(model_name, pod_name), pod_name) < weakest

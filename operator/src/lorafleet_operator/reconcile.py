@@ -2,20 +2,26 @@
 
 Input: the model (its spec and current status) and the pods of its base model. Output: the
 status document it should have and when to look again. Side effects go only through the
-``WorkerClient`` (load/unload/list on workers), the ``SyncBackend`` (sync Jobs) and an
-event callback, so the whole loop runs against real worker processes in tests.
+``WorkerClient`` (load/unload/list on workers), the ``SyncBackend`` (sync Jobs), the
+``Ledger`` (which names the operator placed) and an event callback, so the whole loop runs
+against real worker processes in tests.
 
 One pass:
 1. source: ``hf://`` with an object store -> the sync Job; done -> load ``status.resolvedUri``
    (the store copy). ``s3://`` / ``file://`` (or ``hf://`` without a store) load directly.
-2. placement = top-``replicas`` Ready pods by HRW (``placement.place``).
-3. load on every placed pod whose ``GET /v1/loras`` lacks the adapter or that holds another URI
-   (hot swap); listings are cached per pod for ``listing_ttl`` (the drift timer invalidates them).
-4. unload from Ready pods outside the placement that still hold it, but only once the status
-   already published shows the new placement fully loaded (load first, switch, then unload:
-   the router never loses its last holder).
-5. a worker's 400 ends the model in ``Failed/AdapterInvalid`` until the source changes; other
-   failures are retried with exponential backoff (``requeue_after``).
+2. target = the source's URI, or, while it syncs or after it failed (sync failure, a worker's
+   400), the last good version (``status.servedUri``): a failed hot swap keeps serving.
+3. placement = top-``replicas`` Ready pods by HRW (``placement.place``).
+4. load the target on every placed pod whose ``GET /v1/loras`` lacks the adapter or that holds
+   another URI (hot swap); listings are cached per pod for ``listing_ttl`` (the drift pass
+   refreshes them).
+5. make-before-break: until every placed pod holds the target, ``status.endpoints`` also lists
+   the pods that still hold the adapter (old placement, or the old version during a swap).
+   Pods that left the placement are unloaded only once the status already published shows the
+   new placement fully loaded and ``unload_grace`` seconds passed (routers saw it).
+6. a worker's 400 on a first load ends the model in ``Failed/AdapterInvalid`` until the source
+   changes (on a swap: ``Degraded/SwapFailed``); other failures are retried with exponential
+   backoff (``requeue_after``).
 """
 
 from __future__ import annotations
@@ -24,100 +30,22 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
 from lorafleet_sync.uris import HfURI, URIError, is_commit_sha, parse_uri
 
 from lorafleet_operator import metrics
 from lorafleet_operator import status as st
+from lorafleet_operator.ledger import Ledger, MemoryLedger
 from lorafleet_operator.placement import place
+from lorafleet_operator.resources import Model, Pod
 from lorafleet_operator.workers import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
 
 NORMAL, WARNING = "Normal", "Warning"
 SYNC_POLL_SECONDS = 5.0
-
-
-@dataclass(frozen=True, order=True)
-class Pod:
-    """A worker pod as the reconcile sees it."""
-
-    namespace: str
-    name: str
-    uid: str = ""
-    ip: str | None = None
-    ready: bool = False
-    base_hash: str | None = None
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> Pod:
-        meta, status = body.get("metadata") or {}, body.get("status") or {}
-        conditions = status.get("conditions") or []
-        ready = (
-            status.get("phase") == "Running"
-            and not meta.get("deletionTimestamp")
-            and any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-        )
-        return cls(
-            namespace=meta.get("namespace", ""),
-            name=meta.get("name", ""),
-            uid=meta.get("uid", ""),
-            ip=status.get("podIP") or None,
-            ready=bool(ready and status.get("podIP")),
-            base_hash=(meta.get("labels") or {}).get(BASE_MODEL_HASH_LABEL),
-        )
-
-    def address(self, port: int) -> str:
-        return f"http://{self.ip}:{port}"
-
-
-@dataclass(frozen=True)
-class Model:
-    """The parts of a DynamoModel the reconcile reads."""
-
-    namespace: str
-    name: str
-    uid: str
-    generation: int
-    model_name: str
-    base_model_name: str
-    model_type: str = "base"
-    uri: str | None = None
-    replicas: int | None = None
-    status: Mapping[str, Any] = field(default_factory=dict)
-    deleting: bool = False
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> Model:
-        meta, spec = body.get("metadata") or {}, body.get("spec") or {}
-        return cls(
-            namespace=meta.get("namespace", ""),
-            name=meta.get("name", ""),
-            uid=meta.get("uid", ""),
-            generation=int(meta.get("generation") or 0),
-            model_name=str(spec.get("modelName", "")),
-            base_model_name=str(spec.get("baseModelName", "")),
-            model_type=str(spec.get("modelType") or "base").lower(),
-            uri=(spec.get("source") or {}).get("uri"),
-            replicas=spec.get("replicas"),
-            status=dict(body.get("status") or {}),
-            deleting=bool(meta.get("deletionTimestamp")),
-        )
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.namespace, self.name)
-
-    @property
-    def base_hash(self) -> str:
-        return base_model_hash(self.base_model_name)
-
-    @property
-    def is_lora(self) -> bool:
-        return self.model_type == "lora"
 
 
 @dataclass(frozen=True)
@@ -130,6 +58,7 @@ class SyncResult:
     revision: str | None = None
     message: str = ""
     reason: str = ""  # CamelCase reason for the Synced condition ("" = the state's default)
+    retry_after: float | None = None  # failed: seconds until the next try; succeeded: until the branch re-check
 
 
 class SyncBackend(Protocol):
@@ -152,6 +81,19 @@ class _Listing:
     fetched: float
 
 
+@dataclass(frozen=True)
+class _Source:
+    """What the source stage found: the URI to load (None = none usable yet) and why not."""
+
+    uri: str | None
+    synced: st.Condition
+    revision: str | None = None
+    job: str | None = None
+    pending: bool = False  # a sync Job is running: wait, keep serving what is served
+    failure: st.Condition | None = None  # the source cannot be served (reason, message)
+    requeue: float | None = None
+
+
 class Reconciler:
     """Reconciles DynamoModels; holds the per-pod listing cache and what it loaded where."""
 
@@ -163,28 +105,53 @@ class Reconciler:
         management_port: int = 9090,
         sync: SyncBackend | None = None,
         emit: EventSink | None = None,
+        ledger: Ledger | None = None,
         listing_ttl: float = 30.0,
         retry_base: float = 1.0,
         retry_max: float = 60.0,
+        unload_grace: float = 5.0,
     ) -> None:
         self.client = client
         self.default_replicas = default_replicas
         self.port = management_port
         self.sync = sync
         self.emit: EventSink = emit or (lambda *_: None)
+        self.ledger: Ledger = ledger or MemoryLedger()
         self.listing_ttl = listing_ttl
         self.retry_base = retry_base
         self.retry_max = retry_max
+        self.unload_grace = unload_grace
         self._listings: dict[str, _Listing] = {}
         self._listing_locks: dict[str, asyncio.Lock] = {}
         self._loaded: dict[tuple[str, str], str] = {}  # (pod uid, lora name) -> URI we loaded / adopted
         self._invalid: dict[str, tuple[str, str]] = {}  # model uid -> (URI, worker message)
         self._failures: dict[str, int] = {}  # model uid -> consecutive failed passes
+        self._settled: dict[str, tuple[tuple[str, ...], float]] = {}  # model uid -> (placement, first seen)
 
     # ---- cache management -------------------------------------------------------------
     def invalidate_listings(self) -> None:
-        """Force a fresh ``GET /v1/loras`` of every pod on its next use (drift check)."""
+        """Force a fresh ``GET /v1/loras`` of every pod on its next use."""
         self._listings.clear()
+
+    async def fresh_listing(self, pod: Pod) -> set[str] | None:
+        """``GET /v1/loras`` now (the drift pass), kept as the pod's cached listing; None on failure."""
+        try:
+            names = await self.client.list(pod.address(self.port))
+        except WorkerError as e:
+            log.warning("cannot list adapters on pod %s: %s", pod.name, e)
+            return None
+        self._listings[pod.uid] = _Listing(set(names), time.monotonic())
+        return names
+
+    async def unload_name(self, pod: Pod, name: str) -> bool:
+        """Unload an adapter no DynamoModel stands for (an orphan); True when it is gone."""
+        try:
+            await self.client.unload(pod.address(self.port), name)
+        except WorkerError as e:
+            log.warning("unloading orphan %s from pod %s failed: %s", name, pod.name, e)
+            return False
+        self._note(pod, name, None)
+        return True
 
     def forget_pod(self, uid: str) -> None:
         """Drop what we know about a pod (it restarted, became unready or is gone)."""
@@ -195,13 +162,16 @@ class Reconciler:
         for key in [k for k in self._loaded if k[0] == uid]:
             del self._loaded[key]
 
-    def forget_model(self, model: Model) -> None:
+    def forget_model(self, model: Model, *, keep_loaded: bool = False) -> None:
+        """Forget a deleted model (``keep_loaded``: its adapter stays, a successor owns the name)."""
         self._invalid.pop(model.uid, None)
         self._failures.pop(model.uid, None)
-        for key in [k for k in self._loaded if k[1] == model.model_name]:
-            del self._loaded[key]
+        self._settled.pop(model.uid, None)
+        if not keep_loaded:
+            for key in [k for k in self._loaded if k[1] == model.model_name]:
+                del self._loaded[key]
 
-    async def _listing(self, pod: Pod) -> set[str] | None:
+    async def listing(self, pod: Pod) -> set[str] | None:
         """Adapter names on ``pod`` (cached), or None when it cannot be listed."""
         cached = self._listings.get(pod.uid)
         if cached and time.monotonic() - cached.fetched < self.listing_ttl:
@@ -231,77 +201,146 @@ class Reconciler:
                 listing.names.add(name)
 
     # ---- reconcile ---------------------------------------------------------------------
-    async def reconcile(self, model: Model, pods: Sequence[Pod], progress: ProgressSink | None = None) -> Result:
-        """One level-based pass for ``model`` given the pods of its base model."""
+    async def reconcile(
+        self,
+        model: Model,
+        pods: Sequence[Pod],
+        progress: ProgressSink | None = None,
+        owner: Model | None = None,
+    ) -> Result:
+        """One level-based pass for ``model`` given the pods of its base model.
+
+        ``owner``: another DynamoModel that owns this ``modelName`` (this one is then never loaded)."""
         if not model.is_lora:
             return self._track_base(model, pods)
-        try:
-            source = parse_uri(model.uri or "")
-        except URIError as e:
-            return self._done(model, _failed(model, st.Condition("Synced", False, st.INVALID_SOURCE, str(e))), ok=True)
-
-        resolved, revision, job = model.uri or "", None, None
-        synced = st.Condition("Synced", True, st.SOURCE_AVAILABLE, "workers fetch the source directly")
-        if isinstance(source, HfURI):
-            revision = source.revision if is_commit_sha(source.revision) else None
-            if self.sync is not None:
-                sync = await self.sync.ensure(model, source)
-                job, revision = sync.job_name, sync.revision or revision
-                if sync.state != "succeeded":
-                    return self._syncing(model, pods, sync)
-                resolved = sync.resolved_uri or resolved
-                synced = st.Condition("Synced", True, st.SYNC_SUCCEEDED, f"synced by Job {job} to {resolved}")
-                if _reason(model.status, "Synced") != st.SYNC_SUCCEEDED:
-                    self.emit(model, NORMAL, st.SYNC_SUCCEEDED, synced.message)
-
-        base = _Observed(model, synced, resolved, revision, job)
-        invalid = self._known_invalid(model, resolved)
-        if invalid is not None:
-            return self._done(model, base.failed(invalid), ok=True)
+        if owner is not None:
+            return self._conflict(model, owner)
+        source = await self._source(model)
+        served = _served_uri(model.status)
+        failure = source.failure
+        if source.uri is not None and (message := self._known_invalid(model, source.uri)) is not None:
+            reason = st.SWAP_FAILED if served and served != source.uri else st.ADAPTER_INVALID
+            failure = st.Condition("EndpointsReady", False, reason, message)
+        target = source.uri if failure is None and not source.pending else served
+        resolved = source.uri or (model.status.get("resolvedUri") if source.pending else None)
+        obs = _Observed(model, source.synced, resolved, source.revision, source.job, served)
+        if target is None:
+            if failure is not None:
+                result = self._done(model, obs.observe(st.FAILED, failure), ok=True)
+                result.requeue_after = source.requeue  # e.g. when a failed sync Job is tried again
+                return result
+            cond = st.Condition("EndpointsReady", False, st.WAITING_FOR_SYNC, f"waiting for sync Job {source.job}")
+            return Result(st.render(obs.observe(st.SYNCING, cond), model.status), source.requeue)
 
         ready_pods = sorted(p for p in pods if p.ready and p.ip)
-        replicas = model.replicas or self.default_replicas
         by_name = {p.name: p for p in ready_pods}
-        placement = [by_name[n] for n in place(model.model_name, by_name, replicas)] if ready_pods else []
+        placement = [by_name[n] for n in place(model.model_name, by_name, model.replicas or self.default_replicas)]
         self._count_churn(model, [p.name for p in placement])
         if not placement:
-            observed = base.observe(
-                st.PENDING,
-                st.Condition(
-                    "EndpointsReady", False, st.NO_WORKERS, f"no Ready worker pod serves {model.base_model_name}"
-                ),
+            cond = st.Condition(
+                "EndpointsReady", False, st.NO_WORKERS, f"no Ready worker pod serves {model.base_model_name}"
             )
-            return self._done(model, observed, ok=True)
+            return self._done(model, obs.observe(st.PENDING, cond), ok=True)
 
-        listings = dict(zip(ready_pods, await asyncio.gather(*(self._listing(p) for p in ready_pods)), strict=True))
-        to_load = [p for p in placement if self._needs_load(model, p, resolved, listings[p])]
-        if to_load and progress is not None and model.status.get("phase") != st.LOADING:
-            await progress(st.render(base.loading(placement, to_load, self.port), model.status))
+        live = sorted(p for p in pods if (p.ready or p.serving) and p.ip)  # terminating pods still serve
+        listings = dict(zip(live, await asyncio.gather(*(self.listing(p) for p in live)), strict=True))
+        holding = {p for p in live if model.model_name in (listings[p] or ())}
+        to_load = [p for p in placement if self._needs_load(model, p, target, listings[p])]
+        leavers = [p for p in live if p in holding and p not in placement]
+        if to_load:
+            await self.ledger.claim(model.namespace, model.base_hash, model.model_name)
+            if progress is not None:
+                loading = obs.endpoints_of(placement, holding, leavers, self.port)
+                cond = st.Condition("EndpointsReady", False, st.LOADING_REASON, f"loading on {len(to_load)} pod(s)")
+                obs.routable = served is not None
+                new = st.render(obs.observe(st.LOADING, cond, *loading), model.status)
+                if st.status_patch(new, model.status):
+                    await progress(new)
 
-        outcomes = await asyncio.gather(*(self._load(model, p, resolved) for p in to_load))
+        outcomes = await asyncio.gather(*(self._load(model, p, target) for p in to_load))
         errors = {p.name: e for p, e in zip(to_load, outcomes, strict=True) if e is not None}
-        invalid_errors = [e for e in errors.values() if e.invalid]
-        endpoints = [_endpoint(p, self.port, p.name not in errors) for p in placement]
+        invalid = [e for e in errors.values() if e.invalid]
+        if invalid and target == source.uri:
+            self._invalid[model.uid] = (target, invalid[0].message)
+            self.emit(model, WARNING, st.ADAPTER_INVALID, f"worker rejected {target}: {invalid[0].message}")
+            if served is not None and served != target:
+                return await self.reconcile(model, pods, progress)  # the last good version keeps serving
+        serving = {p for p in placement if p.name not in errors} | (holding & set(placement))
         names = [p.name for p in placement]
 
-        if invalid_errors:
-            message = invalid_errors[0].message
-            self._invalid[model.uid] = (resolved, message)
-            self.emit(model, WARNING, st.ADAPTER_INVALID, f"worker rejected {resolved}: {message}")
-            return self._done(model, base.failed(message, endpoints, names), ok=True)
         if errors:
+            endpoints, placed = obs.endpoints_of(placement, serving, leavers, self.port)
+            obs.routable = served is not None
+            if invalid and target == source.uri:
+                failure = st.Condition("EndpointsReady", False, st.ADAPTER_INVALID, invalid[0].message)
+                return self._done(model, obs.observe(st.FAILED, failure, endpoints, placed), ok=True)
             ready = len(placement) - len(errors)
             reason = st.PARTIALLY_LOADED if ready else st.LOAD_FAILED
             detail = "; ".join(f"{n}: {e}" for n, e in sorted(errors.items()))
             cond = st.Condition("EndpointsReady", False, reason, f"{ready}/{len(placement)} loaded; {detail}")
-            return self._done(model, base.observe(st.DEGRADED, cond, endpoints, names), ok=False)
+            return self._done(model, obs.observe(st.DEGRADED, cond, endpoints, placed), ok=False)
 
+        obs.served = target
+        obs.routable = True
         cond = st.Condition("EndpointsReady", True, st.ALL_LOADED, f"loaded on {len(placement)}/{len(placement)}")
-        observed = base.observe(st.READY, cond, endpoints, names)
-        if _published(model.status, names, resolved):
-            leavers = [p for p in ready_pods if p not in placement and model.model_name in (listings[p] or ())]
-            await asyncio.gather(*(self._unload(model, p) for p in leavers))
-        return self._done(model, observed, ok=True)
+        endpoints = [_endpoint(p, self.port, True) for p in placement]
+        if failure is not None:
+            obs.degraded = st.Condition("Degraded", True, st.SWAP_FAILED, failure.message)
+            observed = obs.observe(st.DEGRADED, cond, endpoints, names)
+        elif source.pending:
+            observed = obs.observe(st.SYNCING, cond, endpoints, names)
+        else:
+            observed = obs.observe(st.READY, cond, endpoints, names)
+        requeue = await self._unload_leavers(model, names, target, leavers)
+        result = self._done(model, observed, ok=True)
+        result.requeue_after = _earliest(source.requeue, requeue)
+        return result
+
+    async def _source(self, model: Model) -> _Source:
+        """Parse the source and, for ``hf://`` with a store, follow its sync Job."""
+        try:
+            source = parse_uri(model.uri or "")
+        except URIError as e:
+            cond = st.Condition("Synced", False, st.INVALID_SOURCE, str(e))
+            return _Source(None, cond, failure=st.Condition("EndpointsReady", False, st.INVALID_SOURCE, str(e)))
+        if not isinstance(source, HfURI) or self.sync is None:
+            revision = source.revision if isinstance(source, HfURI) and is_commit_sha(source.revision) else None
+            synced = st.Condition("Synced", True, st.SOURCE_AVAILABLE, "workers fetch the source directly")
+            return _Source(model.uri or "", synced, revision)
+        sync = await self.sync.ensure(model, source)
+        revision = sync.revision or (source.revision if is_commit_sha(source.revision) else None)
+        if sync.state == "succeeded":
+            resolved = sync.resolved_uri or model.uri or ""
+            synced = st.Condition("Synced", True, st.SYNC_SUCCEEDED, f"synced by Job {sync.job_name} to {resolved}")
+            if _reason(model.status, "Synced") != st.SYNC_SUCCEEDED:
+                self.emit(model, NORMAL, st.SYNC_SUCCEEDED, synced.message)
+            return _Source(resolved, synced, revision, sync.job_name, requeue=sync.retry_after)  # branch re-check
+        if sync.state == "failed":
+            synced = st.Condition("Synced", False, sync.reason or st.SYNC_FAILED, sync.message)
+            if _reason(model.status, "Synced") != synced.reason:
+                self.emit(model, WARNING, synced.reason, sync.message)
+            failure = st.Condition("EndpointsReady", False, synced.reason, sync.message)
+            return _Source(None, synced, revision, sync.job_name, failure=failure, requeue=sync.retry_after)
+        synced = st.Condition("Synced", False, sync.reason or st.SYNC_JOB_RUNNING, sync.message)
+        if _reason(model.status, "Synced") != synced.reason:
+            self.emit(model, NORMAL, synced.reason, f"{sync.job_name}: {sync.message}")
+        return _Source(None, synced, revision, sync.job_name, pending=True, requeue=SYNC_POLL_SECONDS)
+
+    async def _unload_leavers(self, model: Model, names: list[str], uri: str, leavers: list[Pod]) -> float | None:
+        """Unload pods that left the placement once the full new placement is published and old.
+
+        Returns the seconds to wait before trying again (grace not over yet), or None."""
+        if not leavers or not _published(model.status, names, uri):
+            return None
+        seen = self._settled.get(model.uid)
+        now = time.monotonic()
+        if seen is None or seen[0] != tuple(names):
+            seen = self._settled[model.uid] = (tuple(names), now)
+        wait = seen[1] + self.unload_grace - now
+        if wait > 0:
+            return wait
+        await asyncio.gather(*(self._unload(model, p) for p in leavers if p.ready))  # terminating ones just go
+        return None
 
     def _needs_load(self, model: Model, pod: Pod, uri: str, names: set[str] | None) -> bool:
         if names is None or model.model_name not in names:
@@ -310,7 +349,7 @@ class Reconciler:
         if known is not None:
             return known != uri
         # after an operator restart: trust the published status for this pod (no double load)
-        published = model.status.get("resolvedUri") == uri and any(
+        published = _served_uri(model.status) == uri and any(
             e.get("podName") == pod.name and e.get("ready") for e in model.status.get("endpoints") or []
         )
         if published:
@@ -368,8 +407,11 @@ class Reconciler:
             for task in pending:
                 task.cancel()
                 self.emit(model, WARNING, "UnloadTimedOut", f"pod {tasks[task].name} did not answer in {timeout}s")
+        unloaded = sorted(tasks[t].name for t in done if not t.cancelled() and t.exception() is None and t.result())
+        if len(unloaded) == len(tasks):
+            await self.ledger.release(model.namespace, model.base_hash, model.model_name)
         self.forget_model(model)
-        return sorted(tasks[t].name for t in done if not t.cancelled() and t.exception() is None and t.result())
+        return unloaded
 
     # ---- helpers -----------------------------------------------------------------------
     def _known_invalid(self, model: Model, uri: str) -> str | None:
@@ -377,35 +419,26 @@ class Reconciler:
         memo = self._invalid.get(model.uid)
         if memo is not None:
             return memo[1] if memo[0] == uri else None
-        ready = st.condition(model.status, "Ready")
-        if (
-            ready is not None
-            and ready.get("reason") == st.ADAPTER_INVALID
-            and model.status.get("resolvedUri") == uri
-            and model.status.get("observedGeneration") == model.generation
-        ):
-            return str(ready.get("message", ""))
+        if model.status.get("resolvedUri") != uri or model.status.get("observedGeneration") != model.generation:
+            return None
+        for type_, reason, status in (("Ready", st.ADAPTER_INVALID, "False"), ("Degraded", st.SWAP_FAILED, "True")):
+            cond = st.condition(model.status, type_)
+            if cond is not None and (cond.get("reason"), cond.get("status")) == (reason, status):
+                return str(cond.get("message", ""))
         return None
 
-    def _syncing(self, model: Model, pods: Sequence[Pod], sync: SyncResult) -> Result:
-        if sync.state == "failed":
-            synced = st.Condition("Synced", False, sync.reason or st.SYNC_FAILED, sync.message)
-            cond = st.Condition("EndpointsReady", False, st.WAITING_FOR_SYNC, "the source could not be synced")
-            if _reason(model.status, "Synced") != synced.reason:
-                self.emit(model, WARNING, synced.reason, sync.message)
-            return self._done(
-                model, _Observed(model, synced, None, sync.revision, sync.job_name).observe(st.FAILED, cond), ok=True
-            )
-        synced = st.Condition("Synced", False, sync.reason or st.SYNC_JOB_RUNNING, sync.message)
-        if _reason(model.status, "Synced") != synced.reason:
-            self.emit(model, NORMAL, synced.reason, f"{sync.job_name}: {sync.message}")
-        previous = model.status.get("resolvedUri")
-        cond = st.Condition("EndpointsReady", False, st.WAITING_FOR_SYNC, f"waiting for sync Job {sync.job_name}")
-        # keep serving what is loaded (if anything) while the new source syncs
-        observed = _Observed(model, synced, previous, sync.revision, sync.job_name).observe(
-            st.SYNCING, cond, list(model.status.get("endpoints") or []), list(model.status.get("placement") or [])
+    def _conflict(self, model: Model, owner: Model) -> Result:
+        """Another DynamoModel owns this modelName: report it, load nothing, touch nothing."""
+        message = (
+            f"modelName {model.model_name} for {model.base_model_name} is served by the older "
+            f"DynamoModel {owner.namespace}/{owner.name}; this one is not loaded"
         )
-        return Result(st.render(observed, model.status), requeue_after=SYNC_POLL_SECONDS)
+        if _reason(model.status, "Ready") != st.MODEL_NAME_CONFLICT:
+            self.emit(model, WARNING, st.MODEL_NAME_CONFLICT, message)
+        synced = st.Condition("Synced", False, st.MODEL_NAME_CONFLICT, message)
+        cond = st.Condition("EndpointsReady", False, st.MODEL_NAME_CONFLICT, message)
+        self._settled.pop(model.uid, None)
+        return self._done(model, _Observed(model, synced, None, None, None, None).observe(st.FAILED, cond), ok=True)
 
     def _track_base(self, model: Model, pods: Sequence[Pod]) -> Result:
         """Base (and reserved ``adapter``) models: report the base model's pods, load nothing."""
@@ -421,7 +454,7 @@ class Reconciler:
                 "EndpointsReady", False, st.NO_WORKERS, f"no Ready worker pod serves {model.base_model_name}"
             )
             phase = st.PENDING
-        observed = _Observed(model, synced, None, None, None).observe(phase, cond, endpoints, [])
+        observed = _Observed(model, synced, None, None, None, None).observe(phase, cond, endpoints, [])
         return self._done(model, observed, ok=True)
 
     def _done(self, model: Model, observed: st.Observed, *, ok: bool) -> Result:
@@ -449,6 +482,9 @@ class _Observed:
     resolved: str | None
     revision: str | None
     job: str | None
+    served: str | None
+    degraded: st.Condition = st.NOT_DEGRADED_CONDITION
+    routable: bool = False
 
     def observe(
         self,
@@ -467,24 +503,32 @@ class _Observed:
             resolved_uri=self.resolved,
             revision=self.revision,
             sync_job=self.job,
+            degraded=self.degraded,
+            served_uri=self.served,
+            routable=self.routable,
         )
 
-    def failed(
-        self, message: str, endpoints: list[dict[str, Any]] | None = None, placement: list[str] | None = None
-    ) -> st.Observed:
-        cond = st.Condition("EndpointsReady", False, st.ADAPTER_INVALID, message)
-        return self.observe(st.FAILED, cond, endpoints, placement)
+    @staticmethod
+    def endpoints_of(
+        placement: list[Pod], serving: set[Pod], leavers: list[Pod], port: int
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """Endpoints while the placement is incomplete: placed pods (ready when they serve a
+        version now), then pods that left the placement but still hold it (make-before-break)."""
+        endpoints = [_endpoint(p, port, p in serving) for p in placement]
+        endpoints += [_endpoint(p, port, True) for p in leavers]
+        return endpoints, [p.name for p in placement]
 
-    def loading(self, placement: list[Pod], to_load: list[Pod], port: int) -> st.Observed:
-        endpoints = [_endpoint(p, port, p not in to_load) for p in placement]
-        cond = st.Condition("EndpointsReady", False, st.LOADING_REASON, f"loading on {len(to_load)} pod(s)")
-        return self.observe(st.LOADING, cond, endpoints, [p.name for p in placement])
+
+def _served_uri(status: Mapping[str, Any]) -> str | None:
+    """The last good version: ``servedUri`` (or, from an older operator, the URI of a Ready status)."""
+    if "servedUri" in status:
+        return status.get("servedUri") or None
+    return status.get("resolvedUri") if status.get("phase") == st.READY else None
 
 
-def _failed(model: Model, synced: st.Condition) -> st.Observed:
-    return _Observed(model, synced, None, None, None).observe(
-        st.FAILED, st.Condition("EndpointsReady", False, st.WAITING_FOR_SYNC, "the source is not usable")
-    )
+def _earliest(*delays: float | None) -> float | None:
+    given = [d for d in delays if d is not None]
+    return min(given) if given else None
 
 
 def _reason(status: Mapping[str, Any], type_: str) -> str | None:
@@ -501,7 +545,7 @@ def _published(status: Mapping[str, Any], placement: list[str], uri: str) -> boo
     endpoints = status.get("endpoints") or []
     return (
         status.get("placement") == placement
-        and status.get("resolvedUri") == uri
-        and len(endpoints) == len(placement)
+        and _served_uri(status) == uri
+        and [e.get("podName") for e in endpoints] == placement
         and all(e.get("ready") for e in endpoints)
     )

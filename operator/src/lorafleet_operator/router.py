@@ -33,7 +33,7 @@ from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lorafleet_operator import metrics
-from lorafleet_operator.reconcile import Model, Pod
+from lorafleet_operator.resources import Model, Pod
 from lorafleet_operator.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -69,11 +69,14 @@ class RoutingTable:
         return f"http://{ip}:{self.inference_port}"
 
     def adapter(self, name: str) -> Model | None:
+        """The DynamoModel serving adapter ``name``: its owner, the oldest claiming it (as the operator decides)."""
         candidates = [m for m in self.models.values() if m.is_lora and m.model_name == name and not m.deleting]
-        return candidates[0] if candidates else None
+        return min(candidates, key=lambda m: m.seniority, default=None)
 
     def adapter_endpoints(self, model: Model) -> list[str]:
-        out = []
+        """Ready endpoints on Ready pods; if there are none, those on terminating pods that still
+        serve (the operator keeps them listed until the adapter is ready elsewhere)."""
+        out, terminating = [], []
         for ep in model.status.get("endpoints") or []:
             if not ep.get("ready"):
                 continue
@@ -81,9 +84,11 @@ class RoutingTable:
             if pod is not None:
                 if pod.ready and pod.ip:
                     out.append(self._url(pod.ip))
+                elif pod.serving and pod.ip:
+                    terminating.append(self._url(pod.ip))
             elif host := urlsplit(str(ep.get("address", ""))).hostname:
                 out.append(self._url(host))  # pod not (yet) seen by the pod watch: trust the status
-        return out
+        return out or terminating
 
     def base_endpoints(self, name: str) -> list[str]:
         wanted = base_model_hash(name)
@@ -98,7 +103,12 @@ class RoutingTable:
         """("adapter" | "base", upstream URLs) for a model name, or None when unknown."""
         model = self.adapter(name)
         if model is not None:
-            return "adapter", self.adapter_endpoints(model)
+            endpoints = self.adapter_endpoints(model)
+            if not endpoints:  # a name being handed over: the deleted owner serves until its successor does
+                for other in self.models.values():
+                    if other.deleting and other.is_lora and other.model_name == name:
+                        endpoints += self.adapter_endpoints(other)
+            return "adapter", endpoints
         endpoints = self.base_endpoints(name)
         if endpoints or name in self.base_names():
             return "base", endpoints
@@ -267,7 +277,7 @@ async def run_router(settings: Settings) -> None:
             Informer(kube, collection_path("", "v1", "pods", ns), table.on_pod, label_selector=BASE_MODEL_HASH_LABEL)
         )
     tasks = [asyncio.create_task(i.run()) for i in informers]
-    runner = web.AppRunner(Router(table, settings.router_timeout).app())
+    runner = web.AppRunner(Router(table, settings.router_timeout, settings.router_unavailable_wait).app())
     await runner.setup()
     await web.TCPSite(runner, settings.bind_host, settings.router_port).start()
     log.info("router listening on %s:%d", settings.bind_host, settings.router_port)

@@ -50,6 +50,11 @@ class Settings:
         default=(),
         metadata={"env": "LORAFLEET_IMAGE_PULL_SECRETS", "help": "imagePullSecrets of sync Job pods (comma list)"},
     )
+    sync_deadline: int = _opt(3600, "LORAFLEET_SYNC_DEADLINE", "activeDeadlineSeconds of a sync Job")
+    sync_ttl: int = _opt(3600, "LORAFLEET_SYNC_TTL", "ttlSecondsAfterFinished of a sync Job")
+    revision_interval: float = _opt(
+        300.0, "LORAFLEET_REVISION_INTERVAL", "seconds between re-resolutions of hf:// branches and tags"
+    )
     hf_endpoint: str = _opt("", "LORAFLEET_HF_ENDPOINT", "HF_ENDPOINT passed to sync Jobs")
     hf_token_secret: str = _opt("", "LORAFLEET_HF_TOKEN_SECRET", "Secret with HF_TOKEN passed to sync Jobs")
     # behaviour
@@ -59,6 +64,9 @@ class Settings:
     max_concurrent_calls: int = _opt(16, "LORAFLEET_MAX_CONCURRENT_CALLS", "worker calls in flight at once")
     reconcile_workers: int = _opt(8, "LORAFLEET_RECONCILE_WORKERS", "DynamoModels reconciled at once")
     drift_interval: float = _opt(30.0, "LORAFLEET_DRIFT_INTERVAL", "seconds between drift checks of every pod")
+    unload_grace: float = _opt(
+        5.0, "LORAFLEET_UNLOAD_GRACE", "seconds the new placement is published before leavers are unloaded"
+    )
     retry_base: float = _opt(1.0, "LORAFLEET_RETRY_BASE", "first retry delay (doubles up to --retry-max)")
     retry_max: float = _opt(60.0, "LORAFLEET_RETRY_MAX", "longest retry delay")
     # process
@@ -66,8 +74,14 @@ class Settings:
     metrics_port: int = _opt(9100, "LORAFLEET_METRICS_PORT", "port of Prometheus /metrics (0 = off)")
     bind_host: str = _opt("0.0.0.0", "LORAFLEET_BIND_HOST", "address for liveness/metrics/router listeners")
     peering: str = _opt("", "LORAFLEET_PEERING", "kopf peering name for several replicas (empty = standalone)")
+    leader_elect: bool = _opt(
+        False, "LORAFLEET_LEADER_ELECT", "several replicas: only the holder of the Lease lorafleet-operator acts"
+    )
     router_port: int = _opt(8000, "LORAFLEET_ROUTER_PORT", "router listen port")
     router_timeout: float = _opt(600.0, "LORAFLEET_ROUTER_TIMEOUT", "router: seconds per proxied request")
+    router_unavailable_wait: float = _opt(
+        30.0, "LORAFLEET_ROUTER_UNAVAILABLE_WAIT", "router: seconds a request waits for a holder when none is ready"
+    )
 
     @property
     def store_configured(self) -> bool:

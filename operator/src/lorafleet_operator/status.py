@@ -1,7 +1,10 @@
 """DynamoModel status: conditions (metav1.Condition), phase, and the status document.
 
 Condition types: ``Synced`` (source available in the store), ``EndpointsReady`` (every placed
-pod loaded it) and ``Ready`` (summary). Reasons are CamelCase constants below. A condition's
+pod loaded the wanted version), ``Degraded`` (serving, but not what the spec asks: a failed hot
+swap keeps the last good version, reason ``SwapFailed``) and ``Ready`` (routable: true once the
+adapter was fully loaded and while some endpoint still serves a good version; a first load
+that has not completed yet is not Ready). Reasons are CamelCase constants below. A condition's
 ``lastTransitionTime`` changes only when its ``status`` changes, so recomputing an unchanged
 state yields an identical document (no status patch, no event loop).
 """
@@ -32,8 +35,12 @@ PARTIALLY_LOADED = "PartiallyLoaded"
 LOAD_FAILED = "LoadFailed"
 ADAPTER_INVALID = "AdapterInvalid"
 WAITING_FOR_SYNC = "WaitingForSync"
+SWAP_FAILED = "SwapFailed"  # Degraded: the new version failed, the last good one keeps serving
+NOT_DEGRADED = "AsExpected"
+MODEL_NAME_CONFLICT = "ModelNameConflict"  # an older DynamoModel owns this modelName
+SERVING = "Serving"  # Ready while a change is in progress: a good version is still served
 
-CONDITION_TYPES = ("Synced", "EndpointsReady", "Ready")
+CONDITION_TYPES = ("Synced", "EndpointsReady", "Degraded", "Ready")
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,9 @@ class Condition:
     status: bool
     reason: str
     message: str
+
+
+NOT_DEGRADED_CONDITION = Condition("Degraded", False, NOT_DEGRADED, "serving the spec")
 
 
 @dataclass
@@ -57,6 +67,9 @@ class Observed:
     resolved_uri: str | None = None
     revision: str | None = None
     sync_job: str | None = None
+    degraded: Condition = field(default_factory=lambda: NOT_DEGRADED_CONDITION)
+    served_uri: str | None = None  # the last URI loaded on the whole placement (the last good version)
+    routable: bool = False  # a good version is served although the phase is not Ready
 
     @property
     def ready_count(self) -> int:
@@ -66,6 +79,9 @@ class Observed:
         """The Ready condition: true only in phase Ready, else the most telling failing reason."""
         if self.phase == READY:
             return Condition("Ready", True, "Ready", f"{self.ready_count}/{len(self.endpoints)} endpoints ready")
+        if self.routable and self.ready_count:
+            cause = self.degraded if self.degraded.status else self.endpoints_ready
+            return Condition("Ready", True, SERVING, f"{self.ready_count} endpoint(s) serving; {cause.message}")
         cause = self.synced if not self.synced.status else self.endpoints_ready
         return Condition("Ready", False, cause.reason, cause.message)
 
@@ -97,7 +113,7 @@ def render(observed: Observed, previous: Mapping[str, Any], now: str | None = No
     old_conditions = previous.get("conditions") or []
     conditions = [
         merge_condition(old_conditions, c, observed.generation, now)
-        for c in (observed.synced, observed.endpoints_ready, observed.summary())
+        for c in (observed.synced, observed.endpoints_ready, observed.degraded, observed.summary())
     ]
     return {
         "endpoints": observed.endpoints,
@@ -110,6 +126,7 @@ def render(observed: Observed, previous: Mapping[str, Any], now: str | None = No
         "resolvedUri": observed.resolved_uri,
         "revision": observed.revision,
         "syncJob": observed.sync_job,
+        "servedUri": observed.served_uri,
     }
 
 

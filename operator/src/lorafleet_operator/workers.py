@@ -9,17 +9,17 @@ times with exponential backoff. Other HTTP errors surface at once as
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
 import yarl
+from lorafleet_sync.retry import FetchPolicy, retry_async
 
 from lorafleet_operator import metrics
 
-T = TypeVar("T")
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 
 
@@ -54,8 +54,9 @@ class WorkerClient:
         self._load_timeout = load_timeout
         self._call_timeout = call_timeout
         self._semaphore = asyncio.Semaphore(max_concurrency)
-        self._attempts = attempts
-        self._backoff = backoff
+        self._policy = FetchPolicy(
+            deadline_s=math.inf, initial_backoff_s=backoff, max_backoff_s=60.0, attempts=attempts
+        )
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
@@ -110,7 +111,7 @@ class WorkerClient:
                     metrics.WORKER_CALLS.labels(op, outcome).inc()
                     metrics.WORKER_CALL_SECONDS.labels(op).observe(time.monotonic() - started)
 
-        return await retry(once, attempts=self._attempts, backoff=self._backoff, retryable=_retryable)
+        return await retry_async(once, self._policy, retryable=_retryable)
 
     async def _request(self, method: str, url: yarl.URL, timeout: float, **kw: Any) -> dict[str, Any]:
         try:
@@ -130,17 +131,3 @@ class WorkerClient:
 
 def _retryable(e: Exception) -> bool:
     return isinstance(e, WorkerError) and (e.status is None or e.status in RETRYABLE_STATUS)
-
-
-async def retry(
-    fn: Callable[[], Awaitable[T]], *, attempts: int, backoff: float, retryable: Callable[[Exception], bool]
-) -> T:
-    """Call ``fn`` up to ``attempts`` times, sleeping backoff·2^i between retryable failures."""
-    for i in range(attempts):
-        try:
-            return await fn()
-        except Exception as e:
-            if i == attempts - 1 or not retryable(e):
-                raise
-            await asyncio.sleep(backoff * 2**i)
-    raise AssertionError("unreachable")

@@ -1,0 +1,111 @@
+"""The Kubernetes objects the operator and the router share, as plain frozen dataclasses.
+
+``Pod`` is a worker pod (label ``nvidia.com/dynamo-base-model-hash``); ``Model`` is a
+DynamoModel (either API version: both serve the same schema). Both are parsed from the API
+server's JSON bodies; nothing here talks to Kubernetes or to workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
+
+
+@dataclass(frozen=True, order=True)
+class Pod:
+    """A worker pod as the operator and router see it.
+
+    ``ready``: Ready and not terminating (eligible for placement and routing). ``serving``: Ready,
+    terminating included: a pod being deleted keeps answering through its grace period, so it
+    stays a holder until the adapter is ready elsewhere (Kubernetes' serving-terminating endpoints)."""
+
+    namespace: str
+    name: str
+    uid: str = ""
+    ip: str | None = None
+    ready: bool = False
+    base_hash: str | None = None
+    serving: bool = False
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Pod:
+        meta, status = body.get("metadata") or {}, body.get("status") or {}
+        conditions = status.get("conditions") or []
+        serving = bool(
+            status.get("phase") == "Running"
+            and status.get("podIP")
+            and any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+        )
+        return cls(
+            namespace=meta.get("namespace", ""),
+            name=meta.get("name", ""),
+            uid=meta.get("uid", ""),
+            ip=status.get("podIP") or None,
+            ready=serving and not meta.get("deletionTimestamp"),
+            base_hash=(meta.get("labels") or {}).get(BASE_MODEL_HASH_LABEL),
+            serving=serving,
+        )
+
+    def address(self, port: int) -> str:
+        return f"http://{self.ip}:{port}"
+
+
+@dataclass(frozen=True)
+class Model:
+    """The parts of a DynamoModel the operator and router read."""
+
+    namespace: str
+    name: str
+    uid: str
+    generation: int
+    model_name: str
+    base_model_name: str
+    model_type: str = "base"
+    uri: str | None = None
+    replicas: int | None = None
+    status: Mapping[str, Any] = field(default_factory=dict)
+    deleting: bool = False
+    created: str = ""  # metadata.creationTimestamp (RFC 3339, sorts chronologically)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Model:
+        meta, spec = body.get("metadata") or {}, body.get("spec") or {}
+        return cls(
+            namespace=meta.get("namespace", ""),
+            name=meta.get("name", ""),
+            uid=meta.get("uid", ""),
+            generation=int(meta.get("generation") or 0),
+            model_name=str(spec.get("modelName", "")),
+            base_model_name=str(spec.get("baseModelName", "")),
+            model_type=str(spec.get("modelType") or "base").lower(),
+            uri=(spec.get("source") or {}).get("uri"),
+            replicas=spec.get("replicas"),
+            status=dict(body.get("status") or {}),
+            deleting=bool(meta.get("deletionTimestamp")),
+            created=str(meta.get("creationTimestamp") or ""),
+        )
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
+
+    @property
+    def base_hash(self) -> str:
+        return base_model_hash(self.base_model_name)
+
+    @property
+    def is_lora(self) -> bool:
+        return self.model_type == "lora"
+
+    @property
+    def seniority(self) -> tuple[str, str, str]:
+        """Sort key of name ownership: the oldest (creationTimestamp, then namespace/name) first."""
+        return (self.created, self.namespace, self.name)
+
+    @property
+    def served_name(self) -> tuple[str, str]:
+        """What one owner may serve: (base-model hash, modelName)."""
+        return (self.base_hash, self.model_name)

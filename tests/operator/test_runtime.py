@@ -1,0 +1,235 @@
+"""The operator runtime (index, name ownership, drift pass, ledger) against real HTTP management servers.
+
+DynamoModel and Pod bodies go through the same entry points the kopf handlers call; status
+patches are applied to in-memory objects and fed back as watch events (issue 13, outcomes 3, 4, 6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from lorafleet_operator.handlers import Runtime
+from lorafleet_operator.ledger import MemoryLedger
+from lorafleet_operator.placement import place
+from lorafleet_operator.reconcile import Reconciler
+from lorafleet_operator.resources import Model
+from lorafleet_operator.settings import Settings
+from lorafleet_operator.workers import WorkerClient
+
+from .conftest import MgmtWorker, pod_body
+
+BASE = "tiny/base"
+
+
+@dataclass
+class Cluster:
+    """DynamoModels and pods in memory, the runtime reconciling them against ``workers``."""
+
+    runtime: Runtime
+    workers: list[MgmtWorker]
+    objects: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    clock: int = 0
+
+    def apply(self, name: str, model_name: str, uri: str = "s3://bucket/a", ns: str = "ns", **spec: Any) -> None:
+        key = (ns, name)
+        old = self.objects.get(key)
+        new_spec = {"modelName": model_name, "baseModelName": BASE, "modelType": "lora", "source": {"uri": uri},
+                    **spec}  # fmt: skip
+        if old is None:
+            self.clock += 1
+            meta = {"name": name, "namespace": ns, "uid": f"uid-{ns}-{name}", "generation": 1,
+                    "creationTimestamp": f"2026-01-01T00:00:{self.clock:02d}Z"}  # fmt: skip
+        else:
+            meta = dict(old["metadata"])
+            meta["generation"] += old["spec"] != new_spec
+        body = {"metadata": meta, "spec": new_spec, "status": (old or {}).get("status", {})}
+        self.objects[key] = body
+        self.runtime.on_model("MODIFIED", body)
+
+    async def delete(self, name: str, ns: str = "ns") -> None:
+        body = self.objects[(ns, name)]
+        body = {**body, "metadata": {**body["metadata"], "deletionTimestamp": "2026-01-01T01:00:00Z"}}
+        self.objects[(ns, name)] = body
+        await self.runtime.finalize(body)
+        del self.objects[(ns, name)]
+        self.runtime.on_model("DELETED", body)
+
+    def status(self, name: str, ns: str = "ns") -> dict[str, Any]:
+        return self.objects[(ns, name)].get("status") or {}
+
+    def holders(self, model_name: str) -> set[str]:
+        return {f"worker-{i}" for i, w in enumerate(self.workers) if model_name in w.loras}
+
+    def posts(self) -> int:
+        return sum(1 for w in self.workers for m, _ in w.calls if m == "POST")
+
+    async def settle(self, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.runtime.idle():
+            assert time.monotonic() < deadline, "runtime did not settle"
+            await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def cluster(mgmt_workers: list[MgmtWorker]) -> AsyncIterator[Cluster]:
+    objects: dict[tuple[str, str], dict[str, Any]] = {}
+
+    async def write_status(model: Model, patch: Mapping[str, Any]) -> dict[str, Any] | None:
+        body = objects.get(model.key)
+        if body is None:
+            return None
+        status = {k: v for k, v in {**(body.get("status") or {}), **patch}.items() if v is not None}
+        body = {**body, "status": json.loads(json.dumps(status))}
+        objects[model.key] = body
+        runtime.on_model("MODIFIED", body)
+        return body
+
+    settings = Settings(default_replicas=2, reconcile_workers=3, drift_interval=3600, retry_base=0.2, retry_max=1)
+    client = WorkerClient(call_timeout=2, load_timeout=5, backoff=0.01)
+    reconciler = Reconciler(
+        client, management_port=mgmt_workers[0].port, ledger=MemoryLedger(), listing_ttl=3600, unload_grace=0
+    )
+    runtime = Runtime(settings, reconciler, write_status)
+    for i, w in enumerate(mgmt_workers):
+        runtime.on_pod("ADDED", pod_body(f"worker-{i}", w.host, True, BASE))
+    runtime.start()
+    yield Cluster(runtime, mgmt_workers, objects)
+    await runtime.stop()
+
+
+def ready_reason(status: dict[str, Any]) -> tuple[str | None, str | None]:
+    ready = next((c for c in status.get("conditions") or [] if c["type"] == "Ready"), {})
+    return ready.get("status"), ready.get("reason")
+
+
+async def test_oldest_owns_a_name_the_other_conflicts_and_nothing_flaps(cluster: Cluster) -> None:
+    cluster.apply("first", "shared/name", "s3://bucket/one")
+    cluster.apply("second", "shared/name", "s3://bucket/two")  # Dynamo's two examples do this
+    cluster.apply("third", "shared/name", "s3://bucket/three", ns="other")  # the scope is every watched namespace
+    await cluster.settle()
+    assert cluster.status("first")["phase"] == "Ready"
+    for name, ns in (("second", "ns"), ("third", "other")):
+        assert ready_reason(cluster.status(name, ns)) == ("False", "ModelNameConflict")
+        ready = next(c for c in cluster.status(name, ns)["conditions"] if c["type"] == "Ready")
+        assert "ns/first" in ready["message"]
+    assert {w.loras.get("shared/name") for w in cluster.workers} - {None} == {"s3://bucket/one"}
+    posts = cluster.posts()
+    for _ in range(4):  # several drift intervals: no load, no status change
+        cluster.runtime.reconciler.invalidate_listings()
+        await cluster.runtime.drift()
+        cluster.runtime.requeue_all()
+        await cluster.settle()
+    assert cluster.posts() == posts
+    # deleting the owner hands the name over, without unloading it in between
+    unloads = sum(1 for w in cluster.workers for m, _ in w.calls if m == "DELETE")
+    await cluster.delete("first")
+    await cluster.settle()
+    assert cluster.status("second")["phase"] == "Ready"
+    assert ready_reason(cluster.status("third", "other")) == ("False", "ModelNameConflict")
+    assert sum(1 for w in cluster.workers for m, _ in w.calls if m == "DELETE") == unloads
+    assert {w.loras.get("shared/name") for w in cluster.workers} - {None} == {"s3://bucket/two"}
+
+
+async def test_deleting_a_conflicting_model_leaves_the_owner_loaded(cluster: Cluster) -> None:
+    cluster.apply("owner", "org/x")
+    cluster.apply("late", "org/x")
+    await cluster.settle()
+    await cluster.delete("late")
+    await cluster.settle()
+    assert cluster.holders("org/x") == set(cluster.status("owner")["placement"])
+
+
+async def test_rename_unloads_the_old_name(cluster: Cluster) -> None:
+    cluster.apply("m", "org/old")
+    await cluster.settle()
+    old_holders = cluster.holders("org/old")
+    assert len(old_holders) == 2
+    cluster.apply("m", "org/new")
+    await cluster.settle()
+    assert cluster.status("m")["phase"] == "Ready" and len(cluster.holders("org/new")) == 2
+    await cluster.runtime.drift()
+    assert cluster.holders("org/old") == set()
+    await cluster.runtime.drift()  # nothing holds it any more: crossed out of the ledger
+    base_hash = cluster.runtime.parsed[("ns", "m")].base_hash
+    assert "org/old" not in await cluster.runtime.reconciler.ledger.names("ns", base_hash)
+
+
+async def test_orphans_are_unloaded_and_hand_loaded_adapters_left_alone(cluster: Cluster) -> None:
+    cluster.apply("gone", "org/gone")
+    cluster.apply("kept", "org/kept")
+    await cluster.settle()
+    cluster.workers[0].loras["by-hand/adapter"] = "s3://elsewhere/x"  # loaded by someone else
+    # the DynamoModel vanishes while the operator is down (finalizer removed by hand): no finalize
+    body = cluster.objects.pop(("ns", "gone"))
+    cluster.runtime.on_model("DELETED", body)
+    await cluster.runtime.drift()
+    assert cluster.holders("org/gone") == set()
+    assert cluster.holders("org/kept") == set(place("org/kept", [f"worker-{i}" for i in range(5)], 2))
+    assert cluster.workers[0].loras["by-hand/adapter"] == "s3://elsewhere/x"
+
+
+async def test_drift_requeues_only_the_model_that_lost_its_adapter(cluster: Cluster) -> None:
+    for i in range(6):
+        cluster.apply(f"m{i}", f"org/m{i}")
+    await cluster.settle()
+    victim = cluster.status("m3")["placement"][0]
+    worker = cluster.workers[int(victim.split("-")[1])]
+    del worker.loras["org/m3"]  # lost (e.g. evicted by hand)
+    posts = cluster.posts()
+    await cluster.runtime.drift()
+    await cluster.settle()
+    assert worker.loras.get("org/m3") == "s3://bucket/a"
+    assert cluster.posts() == posts + 1
+    gets = [sum(1 for m, _ in w.calls if m == "GET") for w in cluster.workers]
+    await cluster.runtime.drift()
+    await cluster.settle()
+    assert [sum(1 for m, _ in w.calls if m == "GET") for w in cluster.workers] == [g + 1 for g in gets]
+    assert cluster.posts() == posts + 1
+
+
+async def test_pod_events_requeue_only_models_whose_placement_changes(cluster: Cluster) -> None:
+    names = [f"org/p{i}" for i in range(30)]
+    for i, n in enumerate(names):
+        cluster.apply(f"p{i}", n)
+    cluster.runtime.on_pod("DELETED", pod_body("worker-4", cluster.workers[4].host, True, BASE))
+    await cluster.settle()
+    four = [f"worker-{i}" for i in range(4)]
+    queued: list[tuple[str, str]] = []
+    add = cluster.runtime.queue.add
+    cluster.runtime.queue.add = lambda key: (queued.append(key), add(key))[1]  # type: ignore[method-assign]
+    cluster.runtime.on_pod("ADDED", pod_body("worker-4", cluster.workers[4].host, True, BASE))
+    five = [*four, "worker-4"]
+    moved = {f"p{i}" for i, n in enumerate(names) if place(n, five, 2) != place(n, four, 2)}
+    assert moved and {k[1] for k in queued} == moved
+    await cluster.settle()
+    for i, n in enumerate(names):
+        assert cluster.status(f"p{i}")["placement"] == place(n, five, 2)
+
+
+def test_router_keeps_a_handed_over_name_routable_through_the_deleted_owner() -> None:
+    from lorafleet_operator.router import RoutingTable
+
+    table = RoutingTable(inference_port=8000)
+    owner = {
+        "metadata": {
+            "name": "old",
+            "namespace": "ns",
+            "creationTimestamp": "2026-01-01T00:00:01Z",
+            "deletionTimestamp": "2026-01-01T01:00:00Z",
+        },
+        "spec": {"modelName": "org/x", "baseModelName": BASE, "modelType": "lora"},
+        "status": {"endpoints": [{"address": "http://127.0.0.9:9090", "podName": "w", "ready": True}]},
+    }
+    successor = {"metadata": {"name": "new", "namespace": "ns", "creationTimestamp": "2026-01-01T00:00:02Z"},
+                 "spec": {"modelName": "org/x", "baseModelName": BASE, "modelType": "lora"},
+                 "status": {"phase": "Failed"}}  # fmt: skip
+    table.on_model("MODIFIED", owner)
+    table.on_model("MODIFIED", successor)
+    table.on_pod("ADDED", pod_body("w", "127.0.0.9", True, BASE))
+    assert table.resolve("org/x") == ("adapter", ["http://127.0.0.9:8000"])  # until "new" publishes its own
