@@ -156,7 +156,7 @@ def test_rbac_is_least_privilege(rendered: tuple[str, list[Doc]]) -> None:
         rules = rules_by_resource([role])
         if copies:  # the store Secret is copied where sync Jobs run: create, and get/update of its name
             assert rules.pop(("", "secrets")) == {"create", "get", "update"}, name
-            named = [r for r in role["rules"] if r.get("resourceNames")]
+            named = [r for r in role["rules"] if r.get("resourceNames") and r["resources"] == ["secrets"]]
             assert named == [
                 {
                     "apiGroups": [""],
