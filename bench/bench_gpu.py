@@ -171,7 +171,7 @@ def bench_lora(
 
 
 def torch_decode_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, seq_lens: Any, scale: float) -> Any:
-    """The torch decode path of model.py: gather every block of the table, masked SDPA."""
+    """The torch decode path of model/attention.py: gather every block of the table, masked SDPA."""
     import torch
     import torch.nn.functional as F
 

@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 import torch
+from lorafleet_worker.batch_builder import build_forward_batch
 from lorafleet_worker.config import ModelConfig, ModelConfigError
 from lorafleet_worker.devtools import make_tiny_model
 from lorafleet_worker.kv_cache import PagedKVCache
 from lorafleet_worker.model import Transformer
 from lorafleet_worker.sampling import SamplingParams
-from lorafleet_worker.scheduler import ScheduledChunk, Sequence, StepPlan, build_forward_batch
+from lorafleet_worker.scheduler import ScheduledChunk, Sequence, StepPlan
 from safetensors.torch import load_file, save_file
 
 CPU = torch.device("cpu")

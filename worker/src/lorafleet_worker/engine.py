@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lorafleet_worker.batch_builder import build_forward_batch
 from lorafleet_worker.config import ModelConfig
 from lorafleet_worker.devices import resolve_dtype, resolve_lora_backend
 from lorafleet_worker.kv_cache import PagedKVCache
@@ -36,7 +37,7 @@ from lorafleet_worker.memory import (
 )
 from lorafleet_worker.model import LoRAContext, Transformer, parse_dtype
 from lorafleet_worker.sampling import SamplingParams, TokenOutput, make_generator, prompt_logprobs, sample
-from lorafleet_worker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan, build_forward_batch
+from lorafleet_worker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan
 
 log = logging.getLogger(__name__)
 

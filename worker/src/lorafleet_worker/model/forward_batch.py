@@ -1,0 +1,74 @@
+"""What one forward step consumes: the flat token batch, its paged-cache metadata and its LoRA state.
+
+The batch is ragged and flat: decode tokens of running sequences first (one token each), then prefill
+chunks. `batch_builder.py` builds it from the scheduler's plan; the model only reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence's prefill chunk in the step: tokens [start, start+num_tokens) of the flat batch."""
+
+    start: int  # offset of the chunk in the flat token batch
+    num_tokens: int
+    context_len: int  # tokens in the cache after this step (prior context + chunk)
+    block_ids: Tensor  # int64 [ceil(context_len / block_size)] on the model's device
+    mask: Tensor | None = None  # bool [num_tokens, context_len]; None = plain causal (no prior context, no window)
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one forward step needs; `batch_builder.py` builds it from the scheduler's plan."""
+
+    input_ids: Tensor  # int64 [T]
+    positions: Tensor  # int64 [T]
+    slot_mapping: Tensor  # int64 [T], flat cache index block * block_size + offset
+    num_decode: int  # the first num_decode tokens are single decode tokens of num_decode sequences
+    decode_block_tables: Tensor  # int32 [num_decode, max_blocks] (padded with 0)
+    decode_seq_lens: Tensor  # int32 [num_decode], context length including the new token
+    prefills: list[PrefillSeq]
+    logits_indices: Tensor  # int64 [N], rows of the flat batch whose logits are returned
+    lora: LoRAContext | None = None
+    decode_mask: Tensor | None = None  # bool [num_decode, 1, 1, max_blocks * block_size] (torch attention)
+
+    def prepare_masks(self, block_size: int, window: int | None) -> None:
+        """Build the attention masks of the torch path once per step (shared by every layer).
+
+        `window`: sliding-window size (a query at position p sees keys p - window < k <= p), None = full.
+        """
+        device = self.positions.device
+        if self.num_decode:
+            keys = torch.arange(self.decode_block_tables.shape[1] * block_size, device=device)[None, :]
+            lens = self.decode_seq_lens[:, None]
+            mask = keys < lens
+            if window is not None:
+                mask &= keys >= lens - window
+            self.decode_mask = mask[:, None, None, :]
+        for p in self.prefills:
+            prior = p.context_len - p.num_tokens
+            if prior or (window is not None and p.context_len > window):
+                qpos = torch.arange(prior, p.context_len, device=device)[:, None]
+                keys = torch.arange(p.context_len, device=device)[None, :]
+                p.mask = keys <= qpos
+                if window is not None:
+                    p.mask &= keys > qpos - window
+
+
+@dataclass
+class LoRAContext:
+    """The step's LoRA state: backend (torch / triton), slot pool and per-step batch info."""
+
+    backend: Any  # lora.backend.LoRABackend
+    pool: Any  # lora.pool.LoRAPool, pool.weights(layer, group) -> LoRAProjWeights
+    batch: Any  # lora.batch.LoRABatchInfo
+
+    def apply(self, layer: int, group: str, x: Tensor, out: Tensor) -> None:
+        self.backend.apply(x, out, self.pool.weights(layer, group), self.batch)

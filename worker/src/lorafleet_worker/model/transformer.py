@@ -1,0 +1,165 @@
+"""Decoder-only transformer for Llama / Mistral / Qwen2 / Qwen3 (own code, gpt-fast style).
+
+The forward pass runs over a flattened ragged batch (`forward_batch.py`): decode tokens of running
+sequences first (one token each), then prefill chunks. Each layer writes its K/V into the paged cache
+and attends over it (`attention.py`). Projections are fused (qkv, gate_up) and each of the four
+projection groups applies the step's LoRA adapters through the LoRA backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lorafleet_worker.config import ModelConfig
+from lorafleet_worker.model.attention import paged_attention
+from lorafleet_worker.model.forward_batch import ForwardBatch, LoRAContext
+from lorafleet_worker.model.loading import Checkpoint, parse_dtype
+from lorafleet_worker.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+if TYPE_CHECKING:
+    from lorafleet_worker.kv_cache import PagedKVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _linear_params(out_dim: int, in_dim: int, bias: bool) -> tuple[nn.Parameter, nn.Parameter | None]:
+    w = nn.Parameter(torch.empty(out_dim, in_dim), requires_grad=False)
+    b = nn.Parameter(torch.empty(out_dim), requires_grad=False) if bias else None
+    return w, b
+
+
+@dataclass(frozen=True)
+class BiasFlags:
+    """Which linears carry a bias (read from the checkpoint: Qwen2 qkv, Llama attention_bias / mlp_bias)."""
+
+    qkv: bool = False
+    o: bool = False
+    mlp: bool = False
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, idx: int, bias: BiasFlags) -> None:
+        super().__init__()
+        self.idx = idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.qkv_w, self.qkv_b = _linear_params(self.q_size + 2 * self.kv_size, config.hidden_size, bias.qkv)
+        self.o_w, self.o_b = _linear_params(config.hidden_size, self.q_size, bias.o)
+        self.gate_up_w, self.gate_up_b = _linear_params(2 * config.intermediate_size, config.hidden_size, bias.mlp)
+        self.down_w, self.down_b = _linear_params(config.hidden_size, config.intermediate_size, bias.mlp)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def _proj(self, x: Tensor, w: Tensor, b: Tensor | None, group: str, lora: LoRAContext | None) -> Tensor:
+        out = F.linear(x, w, b)
+        if lora is not None:
+            lora.apply(self.idx, group, x, out)
+        return out
+
+    def forward(
+        self, h: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, kv: PagedKVCache, attn_backend: str
+    ) -> Tensor:
+        lora = batch.lora
+        x = self.attn_norm(h)
+        qkv = self._proj(x, self.qkv_w, self.qkv_b, "qkv", lora)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attn = paged_attention(q, k, v, kv.k_caches[self.idx], kv.v_caches[self.idx], batch, self.scale, attn_backend)
+        h = h + self._proj(attn.reshape(t, self.q_size), self.o_w, self.o_b, "o", lora)
+        x = self.mlp_norm(h)
+        gate_up = self._proj(x, self.gate_up_w, self.gate_up_b, "gate_up", lora)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return h + self._proj(F.silu(gate) * up, self.down_w, self.down_b, "down", lora)
+
+
+class Transformer(nn.Module):
+    """The base model. `forward(batch, kv)` returns float32 logits for `batch.logits_indices`."""
+
+    def __init__(self, config: ModelConfig, bias: BiasFlags | None = None, attn_backend: str = "torch") -> None:
+        super().__init__()
+        self.config = config
+        # the Triton decode kernel has no sliding window: such models keep the torch attention
+        self.attn_backend = "torch" if config.sliding_window else attn_backend
+        bias = bias or BiasFlags(qkv=config.attention_bias)
+        self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, bias) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: nn.Parameter | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.inv_freq: Tensor
+        inv_freq, self.rope_scale = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> Tensor:
+        h = F.embedding(batch.input_ids, self.embed)
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.rope_scale, self.dtype)
+        batch.prepare_masks(kv.block_size, self.config.sliding_window)
+        for layer in self.layers:
+            h = layer(h, cos, sin, batch, kv, self.attn_backend)
+        h = self.norm(h[batch.logits_indices])
+        head = self.lm_head if self.lm_head is not None else self.embed
+        return F.linear(h, head).float()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        config: ModelConfig | None = None,
+        attn_backend: str = "torch",
+    ) -> Transformer:
+        """Load a Hugging Face model directory (`config.json` + `*.safetensors`, sharded or not)."""
+        config = config or ModelConfig.from_dir(model_dir)
+        dev, dt = torch.device(device), parse_dtype(dtype)
+        with Checkpoint(Path(model_dir)) as ckpt:
+            bias = BiasFlags(
+                qkv=ckpt.has("layers.0.self_attn.q_proj.bias"),
+                o=ckpt.has("layers.0.self_attn.o_proj.bias"),
+                mlp=ckpt.has("layers.0.mlp.gate_proj.bias"),
+            )
+            with torch.device("meta"):
+                model = cls(config, bias, attn_backend)
+            model.to(dtype=dt).to_empty(device=dev)
+            model.inv_freq = rope_inv_freq(config)[0].to(dev)  # stays float32
+            ckpt.load_into(model)
+        return model.eval()
