@@ -1,0 +1,13 @@
+# Images (issue 12): build them with docker or podman, and run the chart e2e with every lorafleet pod
+# from them. See README "Images" and docs/local-cluster.md.
+.PHONY: images e2e-images
+
+IMAGE_TAG ?= dev
+export IMAGE_TAG
+
+images:  ## build lorafleet/operator, lorafleet/worker and its -dev variant (docker, else podman)
+	@tools/images.sh $(IMAGES)
+
+e2e-images: setup  ## the chart e2e with the operator, router, sync Jobs, workers and bucket helper run from the built images
+	@tools/images.sh operator worker-dev
+	LORAFLEET_NODE_RUNTIME=podman $(PY) -m pytest tests/e2e/test_chart_install.py $(PYTEST_ARGS)
