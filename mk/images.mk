@@ -10,4 +10,4 @@ images:  ## build lorafleet/operator, lorafleet/worker and its -dev variant (doc
 
 e2e-images: setup  ## the chart e2e with the operator, router, sync Jobs, workers and bucket helper run from the built images
 	@tools/images.sh operator worker-dev
-	LORAFLEET_NODE_RUNTIME=podman $(PY) -m pytest tests/e2e/test_chart_install.py $(PYTEST_ARGS)
+	LORAFLEET_NODE_RUNTIME=podman $(PY) -m pytest tests/infra/test_podman_mode.py tests/e2e/test_chart_install.py $(PYTEST_ARGS)
