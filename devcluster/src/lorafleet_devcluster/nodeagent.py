@@ -207,6 +207,12 @@ class Container:
     def name(self) -> str:
         return str(self.spec["name"])
 
+    def container_id(self) -> str:
+        """`podman://<name>` in container mode, else `local://<pid>`."""
+        if self.runtime_name:
+            return f"podman://{self.runtime_name}"
+        return f"local://{self.proc.pid if self.proc else 0}"
+
     def status(self) -> JSON:
         out: JSON = {
             "name": self.name,
@@ -219,7 +225,7 @@ class Container:
             "lastState": self.last_state,
         }
         if self.proc is not None:
-            out["containerID"] = f"podman://{self.runtime_name}" if self.runtime_name else f"local://{self.proc.pid}"
+            out["containerID"] = self.container_id()
         return out
 
 
@@ -616,7 +622,7 @@ class NodeAgent:
             "reason": "Completed" if exit_code == 0 else "Error",
             "startedAt": c.state.get("running", {}).get("startedAt", now_rfc3339()),
             "finishedAt": now_rfc3339(),
-            "containerID": f"local://{c.proc.pid if c.proc else 0}",
+            "containerID": c.container_id(),
         }
         if c.proc is not None:
             with contextlib.suppress(ProcessLookupError):  # leftovers of the container's process group
