@@ -52,6 +52,10 @@ def missing_parts() -> list[str]:
                 tool_path(tool)
             except FileNotFoundError:
                 missing.append(f"{tool} (make setup builds it)")
+        from lorafleet_devcluster.minio import minio_binary
+
+        if not minio_binary().is_file():
+            missing.append("minio (make setup builds it)")
     except ImportError as exc:
         missing.append(f"the local control plane ({exc})")
     for module in ("lorafleet_operator.handlers", "lorafleet_operator.router", "lorafleet_devcluster.nodeagent"):

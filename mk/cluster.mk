@@ -4,7 +4,7 @@
 
 KIND_CLUSTER ?= lorafleet-e2e
 # Images the e2e suite needs inside kind (build them first, e.g. with docker build).
-E2E_KIND_IMAGES ?= lorafleet/worker:dev lorafleet/operator:dev
+E2E_KIND_IMAGES ?= lorafleet/worker:dev-dev lorafleet/operator:dev
 
 go-tools:  ## build kube-apiserver, controller-manager, kubectl, etcd, helm from Go modules (cached per version)
 	@tools/build-go-tools.sh

@@ -8,6 +8,12 @@
 # builds nothing. Wall times of each build are appended to
 # $LORAFLEET_CACHE/go-build-times.log.
 #
+# Tools already on this machine at exactly the pinned version are used instead of
+# building (linked into $LORAFLEET_CACHE/bin, and named in the output): kubectl and
+# helm on PATH, etcd / kube-apiserver / kubectl in $KUBEBUILDER_ASSETS (as
+# `setup-envtest use -p path` leaves them). A failed step prints the last 50 lines
+# of its log and the log's path.
+#
 # Usage: tools/build-go-tools.sh [kubernetes|etcd|helm ...]   (default: all)
 set -euo pipefail
 
@@ -54,10 +60,53 @@ new_wrapper() {  # new_wrapper NAME -> prints the directory of a fresh wrapper m
   echo "$dir"
 }
 
-go_build() {  # go_build TOOL-LABEL WRAPPER-DIR OUTDIR LDFLAGS PKG...
+failed() {  # failed LOGFILE WHAT : the last 50 lines of the log and its path, then exit 1
+  echo "==> [go-tools] $2 FAILED; last 50 lines of $1:" >&2
+  tail -n 50 "$1" >&2
+  echo "==> [go-tools] full log: $1" >&2
+  exit 1
+}
+
+go_build() {  # go_build TOOL-LABEL WRAPPER-DIR OUTDIR LDFLAGS PKG...  (full output in WRAPPER-DIR/build.log)
   local label="$1" dir="$2" out="$3" ldflags="$4"; shift 4
   (cd "$dir" && nice -n 10 go build -p "$JOBS" -v -trimpath -tags=selinux,notest,grpcnotrace \
-      -ldflags "-s -w $ldflags" -o "$out/" "$@" 2>&1 | progress "$label"; exit "${PIPESTATUS[0]}")
+      -ldflags "-s -w $ldflags" -o "$out/" "$@" 2>&1 | tee build.log | progress "$label"; exit "${PIPESTATUS[0]}") ||
+    failed "$dir/build.log" "$label build"
+}
+
+# adopt TOOL VERSION CANDIDATE... : link the first candidate that reports exactly VERSION as $BIN/TOOL-VERSION.
+adopt() {
+  local tool="$1" version="$2" c found; shift 2
+  have "$tool-$version" && return 0
+  for c in "$@"; do
+    [ -n "$c" ] && [ -x "$c" ] || continue
+    found=$(tool_version "$tool" "$c" 2>/dev/null || true)
+    if [ "$found" = "$version" ]; then
+      ln -sf "$(readlink -f "$c")" "$BIN/$tool-$version"
+      log "$tool $version: using $c (already on this machine) instead of building"
+      return 0
+    fi
+    [ -z "$found" ] || log "$tool: $c is ${found}, not $version: not used"
+  done
+  return 0
+}
+
+tool_version() {  # tool_version TOOL PATH -> the version it reports, as pinned (vX.Y.Z)
+  case "$1" in
+    kubectl) "$2" version --client -o json | sed -n 's/.*"gitVersion": "\(v[^"]*\)".*/\1/p' | head -1 ;;
+    kube-apiserver|kube-controller-manager) "$2" --version | awk '{print $2}' ;;
+    etcd) "$2" --version | sed -n 's/^etcd Version: \(.*\)/v\1/p' ;;
+    helm) "$2" version --template '{{.Version}}' ;;
+  esac
+}
+
+adopt_existing() {
+  local assets="${KUBEBUILDER_ASSETS:-}"
+  adopt kubectl "$KUBERNETES_VERSION" "$(command -v kubectl || true)" "${assets:+$assets/kubectl}"
+  adopt kube-apiserver "$KUBERNETES_VERSION" "${assets:+$assets/kube-apiserver}" "$(command -v kube-apiserver || true)"
+  adopt kube-controller-manager "$KUBERNETES_VERSION" "$(command -v kube-controller-manager || true)"
+  adopt etcd "$ETCD_VERSION" "${assets:+$assets/etcd}" "$(command -v etcd || true)"
+  adopt helm "$HELM_VERSION" "$(command -v helm || true)"
 }
 
 BUILT=
@@ -72,9 +121,9 @@ timed() {  # timed LABEL CMD... : run; if it built something, report and record 
   printf '%s %s %ss\n' "$(date -u +%FT%TZ)" "$label" "$took" >>"$TIMES"
 }
 
-quiet() {  # quiet LOGFILE CMD... : run CMD with output to LOGFILE, shown only on failure
+quiet() {  # quiet LOGFILE CMD... : run CMD with output to LOGFILE; on failure its last 50 lines and path
   local out="$1"; shift
-  "$@" >"$out" 2>&1 || { cat "$out" >&2; return 1; }
+  "$@" >"$out" 2>&1 || failed "$PWD/$out" "$*"
 }
 
 have() { [ -x "$BIN/$1" ]; }
@@ -89,7 +138,8 @@ build_kubernetes() {
   check_sumdb
   local dir; dir="$(new_wrapper "kubernetes-$v")"
   local info gomod commit
-  info="$(cd "$dir" && go mod download -json "k8s.io/kubernetes@$v")" || { echo "$info" >&2; exit 1; }
+  info="$(cd "$dir" && go mod download -json "k8s.io/kubernetes@$v" 2>&1)" || {
+    echo "$info" >"$dir/download.log"; failed "$dir/download.log" "go mod download k8s.io/kubernetes@$v"; }
   gomod="$(sed -n 's/^\s*"GoMod": "\(.*\)",\?$/\1/p' <<<"$info")"
   commit="$(sed -n 's/^\s*"Hash": "\(.*\)",\?$/\1/p' <<<"$info" | head -1)"
   # Every staging module (replaced by ./staging/src/... upstream) -> its v0.x.y release.
@@ -148,6 +198,7 @@ build_helm() {
 main() {
   local targets=("$@")
   [ ${#targets[@]} -gt 0 ] || targets=(etcd helm kubernetes)
+  adopt_existing
   local t
   for t in "${targets[@]}"; do
     case "$t" in

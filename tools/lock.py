@@ -37,6 +37,7 @@ class Lock:
 
     name: str
     projects: tuple[str, ...]  # e.g. "./worker[dev]"
+    requirements: tuple[str, ...] = ()  # further requirements by name (versions from constraints.txt)
     dev_requirements: bool = False
     purpose: str = ""
 
@@ -46,6 +47,7 @@ class Lock:
 
 
 LOCK_SET = (
+    Lock("tools", (), ("uv", "setuptools"), purpose="the images' installer and build backend (not shipped)"),
     Lock("operator", ("./jobs", "./operator"), purpose="Dockerfile.operator (operator, router, sync job)"),
     Lock("worker", ("./jobs", "./worker"), purpose="Dockerfile.worker, default image (no transformers/peft)"),
     Lock("worker-dev", ("./jobs", "./worker[dev]"), purpose="Dockerfile.worker with WORKER_EXTRAS=dev"),
@@ -67,6 +69,7 @@ def _declared(project_dir: str) -> dict[str, object]:
 def inputs_digest(lock: Lock) -> str:
     parts: dict[str, object] = {
         "projects": {p: _declared(p) for p in lock.projects},
+        "requirements": lock.requirements,
         "constraints": (ROOT / "constraints.txt").read_text(),
         "platform": PLATFORM,
     }
@@ -89,7 +92,7 @@ def stale(lock: Lock) -> bool:
 def compile_lock(lock: Lock, uv: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / f"{lock.name}.in"
-        spec.write_text("\n".join(lock.projects) + "\n")
+        spec.write_text("\n".join([*lock.projects, *lock.requirements]) + "\n")
         sources = [str(spec), *(["requirements-dev.txt"] if lock.dev_requirements else [])]
         out = Path(tmp) / "out.txt"
         skip = [arg for pkg in LOCAL_PACKAGES.values() for arg in ("--no-emit-package", pkg)]

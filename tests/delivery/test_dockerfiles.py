@@ -17,6 +17,7 @@ from tests.delivery.dockerfile import Dockerfile
 ROOT = Path(__file__).resolve().parents[2]
 PROJECTS = {"jobs": "lorafleet-sync", "operator": "lorafleet-operator", "worker": "lorafleet-worker"}
 IMAGES = {"Dockerfile.worker": {"jobs", "worker"}, "Dockerfile.operator": {"jobs", "operator"}}
+LOCK_ARG = re.compile(r'-r "?locks/')
 FORBIDDEN_IN_OPERATOR = re.compile(r"^(torch|triton|nvidia-.*|transformers|peft|accelerate)$")
 
 
@@ -81,9 +82,22 @@ def test_multi_stage_pinned_and_non_root(dockerfile: Dockerfile) -> None:
     assert users, "final stage runs as root"
     uid = users[-1].words()[0].split(":")[0]
     assert uid.isdigit() and int(uid) != 0, f"final USER {uid} must be a numeric non-root uid"
-    # Python dependencies are pinned through constraints.txt.
+    # Every Python package comes from a hashed lock; the projects themselves go in without dependencies.
     installs = [i.args for i in dockerfile.of("RUN") if "pip install" in i.args]
-    assert installs and all("-c constraints.txt" in a for a in installs), installs
+    assert installs, "no pip install"
+    for args in installs:
+        assert ("--require-hashes" in args and LOCK_ARG.search(args)) or "--no-deps" in args, args
+
+
+def test_dependency_layers_come_before_source_layers(dockerfile: Dockerfile) -> None:
+    """A source edit must not invalidate the layer that downloads torch: the lock is installed first."""
+    build = [i for i in dockerfile.instructions if i.stage == 0]
+    lock_install = next(n for n, i in enumerate(build) if i.keyword == "RUN" and LOCK_ARG.search(i.args))
+    first_source = next(n for n, i in enumerate(build) if i.keyword == "COPY" and i.words()[0].strip("./") in PROJECTS)
+    assert lock_install < first_source, "the lock is installed after the sources are copied"
+    for inst in build:
+        if inst.keyword == "RUN" and "uv pip install" in inst.args:
+            assert "--mount=type=cache" in inst.args, f"uv install without a wheel cache mount: {inst.args[:80]}"
 
 
 def test_entrypoints_are_cli_scripts_of_installed_projects(dockerfile: Dockerfile) -> None:
@@ -96,6 +110,12 @@ def test_entrypoints_are_cli_scripts_of_installed_projects(dockerfile: Dockerfil
     installs = " ".join(i.args for i in dockerfile.of("RUN") if "pip install" in i.args)
     for project in IMAGES[dockerfile.path.name]:
         assert f"./{project}" in installs, f"{project} is copied but not installed"
+
+
+def test_worker_command_leaves_backend_and_dtype_to_the_worker() -> None:
+    df = Dockerfile.parse(ROOT / "Dockerfile.worker")
+    words = [w for i in df.of("CMD", df.final_stage) + df.of("ENTRYPOINT", df.final_stage) for w in i.words()]
+    assert not {"--lora-backend", "--dtype"} & set(words), words
 
 
 def dependency_closure(dist: str) -> set[str]:
@@ -130,5 +150,5 @@ def test_operator_image_requirements_have_no_torch() -> None:
 def test_dockerignore_keeps_secrets_and_local_state_out() -> None:
     for path in (".venv", ".git", "tests", "charts", ".env", "bench"):
         assert ignored(path), f"{path} would be sent to the Docker build context"
-    for path in ("jobs/pyproject.toml", "operator/src", "worker/src", "constraints.txt"):
+    for path in ("jobs/pyproject.toml", "operator/src", "worker/src", "locks/worker.txt", "locks/tools.txt"):
         assert not ignored(path), f"{path} is needed by the Dockerfiles but ignored"

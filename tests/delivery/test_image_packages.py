@@ -12,7 +12,9 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,12 +70,12 @@ def uv(*args: str) -> None:
 
 
 @pytest.fixture(scope="module", params=sorted(IMAGES))
-def image_venv(request: pytest.FixtureRequest) -> tuple[Image, Path]:
+def image_venv(request: pytest.FixtureRequest) -> Iterator[tuple[Image, Path]]:
     image = IMAGES[request.param]
     # On the cache's filesystem, so that uv hardlinks the wheels (torch) instead of copying them.
-    venv = CACHE / "image-venvs" / request.param
-    shutil.rmtree(venv, ignore_errors=True)
-    uv("venv", "--quiet", "--python", sys.executable, str(venv))
+    (CACHE / "image-venvs").mkdir(parents=True, exist_ok=True)
+    venv = Path(tempfile.mkdtemp(prefix=f"{request.param}-", dir=CACHE / "image-venvs"))
+    uv("venv", "--quiet", "--clear", "--python", sys.executable, str(venv))
     python = str(venv / "bin" / "python")
     uv("pip", "install", "--quiet", "--python", python, "--require-hashes", "-r", f"locks/{image.lock}.txt")
     uv("pip", "install", "--quiet", "--python", python, "--no-deps", *(f"./{p}" for p in image.projects))

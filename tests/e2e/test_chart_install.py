@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from lorafleet_devcluster import podman
 from lorafleet_devcluster.hfhub import LocalHub
 from lorafleet_devcluster.session import TestCluster
 from lorafleet_devcluster.stack import BASE_MODEL, Release, deep_merge, default_values, wait_for
@@ -93,6 +94,26 @@ def test_dynamo_manifest_verbatim_and_hf_adapter_answer_through_the_router(relea
 
 def placed(release: Release, name: str) -> set[str]:
     return {e["podName"] for e in release.model(name)["status"]["endpoints"]}
+
+
+def test_every_lorafleet_container_ran_as_the_node_runtime_says(release: Release) -> None:
+    """`make e2e-images` (podman mode): operator, router, workers, sync Job and bucket helper ran from the
+    built images; in process mode they ran as local programs. MinIO's server is always a local program."""
+    if not release.cluster.is_local:
+        pytest.skip("container IDs name the local node agent's runtimes only")
+    pods = release.cluster.get(f"/api/v1/namespaces/{release.namespace}/pods")["items"]
+    seen: dict[str, set[str]] = {}
+    for pod in pods:
+        for status in pod["status"].get("initContainerStatuses", []) + pod["status"].get("containerStatuses", []):
+            ran = status.get("containerID") or status.get("lastState", {}).get("terminated", {}).get("containerID")
+            ran = ran or status.get("state", {}).get("terminated", {}).get("containerID", "")
+            seen.setdefault(status["image"], set()).add(ran.split("://")[0])
+    lorafleet_images = {image for image in seen if "lorafleet/" in image}
+    assert {i.split(":")[0] for i in lorafleet_images} == {"lorafleet/operator", "lorafleet/worker"}, seen
+    want = "podman" if podman.enabled() else "local"
+    for image in lorafleet_images:
+        assert seen[image] == {want}, (image, seen[image])
+    assert all(seen[image] == {"local"} for image in seen if image not in lorafleet_images), seen
 
 
 def test_scaling_the_workers_moves_placements(release: Release) -> None:

@@ -14,10 +14,8 @@ import httpx
 import pytest
 import yaml
 from lorafleet_devcluster.cluster import wait_until
-from lorafleet_devcluster.rawstack import install_crd
+from lorafleet_devcluster.rawstack import OPERATOR_RULES, deployment, env_var, install_crd, pod_ready, rbac
 from lorafleet_devcluster.session import TestCluster
-
-from tests.e2e.test_operator_flows import OPERATOR_RULES, _ready, deployment, env_var, rbac
 
 LEASE_RULES = [
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
@@ -52,7 +50,7 @@ def operator_pods(cluster: TestCluster, ns: str) -> dict[str, str]:
     """name -> pod IP of the Ready, not terminating operator pods."""
     pods = cluster.get(f"/api/v1/namespaces/{ns}/pods", labelSelector="app=operator")["items"]
     return {p["metadata"]["name"]: p["status"]["podIP"] for p in pods
-            if _ready(p) and not p["metadata"].get("deletionTimestamp")}  # fmt: skip
+            if pod_ready(p) and not p["metadata"].get("deletionTimestamp")}  # fmt: skip
 
 
 def holder(cluster: TestCluster, ns: str) -> str:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from lorafleet_devcluster import images, podspec
+from lorafleet_devcluster import images, podman, podspec
 from lorafleet_devcluster.cluster import spawn, terminate
 from lorafleet_devcluster.kube import JSON, Credentials, Kube, KubeError, write_kubeconfig
 
@@ -201,10 +201,17 @@ class Container:
     readiness: Prober | None = None
     liveness: Prober | None = None
     startup: Prober | None = None
+    runtime_name: str | None = None  # the podman container's name in container mode
 
     @property
     def name(self) -> str:
         return str(self.spec["name"])
+
+    def container_id(self) -> str:
+        """`podman://<name>` in container mode, else `local://<pid>`."""
+        if self.runtime_name:
+            return f"podman://{self.runtime_name}"
+        return f"local://{self.proc.pid if self.proc else 0}"
 
     def status(self) -> JSON:
         out: JSON = {
@@ -218,7 +225,7 @@ class Container:
             "lastState": self.last_state,
         }
         if self.proc is not None:
-            out["containerID"] = f"local://{self.proc.pid}"
+            out["containerID"] = self.container_id()
         return out
 
 
@@ -313,6 +320,7 @@ class NodeAgent:
         for r in self.runs.values():
             for c in r.containers:
                 c.proc = None
+                self._remove_container(c)
 
     def __enter__(self) -> NodeAgent:
         return self.start()
@@ -614,12 +622,13 @@ class NodeAgent:
             "reason": "Completed" if exit_code == 0 else "Error",
             "startedAt": c.state.get("running", {}).get("startedAt", now_rfc3339()),
             "finishedAt": now_rfc3339(),
-            "containerID": f"local://{c.proc.pid if c.proc else 0}",
+            "containerID": c.container_id(),
         }
         if c.proc is not None:
             with contextlib.suppress(ProcessLookupError):  # leftovers of the container's process group
                 os.killpg(c.proc.pid, signal.SIGKILL)
         c.proc, c.ready, c.exit_code, c.kill_deadline = None, False, exit_code, None
+        self._remove_container(c)
         policy = c.spec.get("restartPolicy") or run.policy
         restart = policy == "Always" or (policy == "OnFailure" and exit_code != 0)
         if c.init and exit_code == 0:
@@ -643,10 +652,13 @@ class NodeAgent:
         assert run.ip is not None and c.proc is not None
         ip = run.ip
 
+        def exec_argv(cmd: list[str]) -> list[str]:
+            if c.runtime_name:
+                return podman.exec_argv(c.runtime_name, cmd)
+            return images.resolve(c.spec["image"], cmd, None)
+
         def submitter(p: Prober) -> Callable[[], Future[bool]]:
-            return lambda: self._probes.submit(
-                run_probe, p.spec, c.spec, ip, lambda cmd: images.resolve(c.spec["image"], cmd, None)
-            )
+            return lambda: self._probes.submit(run_probe, p.spec, c.spec, ip, exec_argv)
 
         if c.startup is not None and not c.startup.ok:
             verdict = c.startup.step(now, submitter(c.startup))
@@ -707,6 +719,13 @@ class NodeAgent:
         with contextlib.suppress(KubeError):
             self.kube.delete(f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}", body)
 
+    @staticmethod
+    def _remove_container(c: Container) -> None:
+        """Container mode: remove what a killed `podman run` may have left running."""
+        if c.runtime_name:
+            podman.remove(c.runtime_name)
+            c.runtime_name = None
+
     def _release(self, run: PodRun) -> None:
         if run.ip is not None:
             self.addresses.give(run.ip)
@@ -741,6 +760,8 @@ class NodeAgent:
         )
         volumes = podspec.materialise_volumes(pod, run.root / "volumes", ctx)
         mounts = podspec.mount_map(c.spec, volumes)
+        if podman.runs_in_container(c.spec["image"]):
+            return self._prepare_container(run, c, base, reader, fields, volumes, mounts)
         base.update(podspec.mount_env(mounts))
         own = podspec.container_env(c.spec, base, reader, fields)
         rewrite = podspec.rewriter(mounts)
@@ -752,6 +773,47 @@ class NodeAgent:
         cwd = Path(rewrite(c.spec["workingDir"])) if c.spec.get("workingDir") else run.root / "cwd"
         cwd.mkdir(parents=True, exist_ok=True)
         return argv, env, cwd
+
+    def _prepare_container(
+        self,
+        run: PodRun,
+        c: Container,
+        base: dict[str, str],
+        reader: podspec.ObjectReader,
+        fields: podspec.FieldResolver,
+        volumes: dict[str, Path],
+        mounts: dict[str, str],
+    ) -> tuple[list[str], dict[str, str], Path]:
+        """Container mode: `podman run` of the container's image; mount paths are real, nothing rewritten."""
+        podman.require_image(c.spec["image"])
+        inside = {k: v for k, v in base.items() if k not in ("PATH", *PASS_ENV)}  # the image's PATH and HOME
+        inside.update(podspec.mount_env({p: p for p in mounts}))
+        extra = podman.volume_args(run.pod, c.spec, volumes, mounts)
+        if "KUBECONFIG" in inside:
+            Path(inside["KUBECONFIG"]).chmod(0o644)  # readable by the container's user, like the token volume
+            extra += ["-v", f"{inside['KUBECONFIG']}:{podman.KUBECONFIG_PATH}:ro"]
+            inside["KUBECONFIG"] = podman.KUBECONFIG_PATH
+        extra += podman.security_args(run.pod, c.spec) + podman.resource_args(c.spec)
+        own = podspec.container_env(c.spec, inside, reader, fields)
+        env = {**inside, **own}
+        command = [podspec.expand(a, env) for a in c.spec.get("command") or []]
+        args = [podspec.expand(a, env) for a in c.spec.get("args") or []]
+        env_file, env_names = podman.write_env_file(run.root / f"{c.name}.env", env)
+        c.runtime_name = f"lf-{run.pod['metadata']['uid'][:8]}-{c.name}-{c.restarts + int(c.ever_started)}"
+        podman.remove(c.runtime_name)  # a leftover of an agent that was killed
+        argv = podman.run_argv(
+            name=c.runtime_name,
+            image=c.spec["image"],
+            command=command,
+            args=args,
+            env_file=env_file,
+            env_names=env_names,
+            extra=extra,
+            workdir=c.spec.get("workingDir"),
+        )
+        cwd = run.root / "cwd"
+        cwd.mkdir(parents=True, exist_ok=True)
+        return argv, {**podman.podman_env(), **{n: env[n] for n in env_names}}, cwd
 
     def _token(self, pod: JSON, audience: str | None, expiration: int | None) -> str:
         meta, sa = pod["metadata"], pod["spec"].get("serviceAccountName") or "default"

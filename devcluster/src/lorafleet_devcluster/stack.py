@@ -11,6 +11,7 @@ import base64
 import contextlib
 import copy
 import json
+import os
 import re
 import subprocess
 import time
@@ -40,12 +41,17 @@ def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, A
 
 
 def default_values(cluster: TestCluster, *, workers: int = 2, hf_endpoint: str = "") -> dict[str, Any]:
-    """Values for a CPU test/demo install: dev images, a tiny generated model, the chart's MinIO."""
+    """Values for a CPU test/demo install: dev images, a tiny generated model, the chart's MinIO.
+
+    Tags are those `make images` builds (`IMAGE_TAG`, default "dev"); the worker is the `-dev` variant,
+    whose transformers/peft serve `model.generateTiny`. In process mode the tags are not used.
+    """
     pull = "IfNotPresent" if cluster.is_local else "Never"  # kind: images are side-loaded
+    tag = os.environ.get("IMAGE_TAG", "dev")
     return {
         "image": {
-            "operator": {"repository": "lorafleet/operator", "tag": "dev", "pullPolicy": pull},
-            "worker": {"repository": "lorafleet/worker", "tag": "dev", "pullPolicy": pull},
+            "operator": {"repository": "lorafleet/operator", "tag": tag, "pullPolicy": pull},
+            "worker": {"repository": "lorafleet/worker", "tag": f"{tag}-dev", "pullPolicy": pull},
         },
         "listenOnPodIP": cluster.is_local,  # local pods share the host's network namespace
         "store": {"mode": "minio"},

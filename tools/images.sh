@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# `make images`: build the lorafleet images with docker when its engine answers, else with podman.
+#
+#   tools/images.sh [IMAGE...]      # IMAGE: operator, worker, worker-dev (default: all three)
+#
+# Tags: lorafleet/operator:$IMAGE_TAG, lorafleet/worker:$IMAGE_TAG, lorafleet/worker:$IMAGE_TAG-dev
+# (IMAGE_TAG defaults to "dev"). The official PYTHON_IMAGE base is used when it can be pulled;
+# otherwise a stand-in built from Debian bookworm packages (tools/python-base.sh) under a local name.
+# The host's package configuration goes in as build secrets/args (pip.conf, its CA bundle, PIP_*/UV_*
+# index settings); with podman the host's uv cache ($LORAFLEET_CACHE/uv) is the build's wheel cache.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+LORAFLEET_CACHE=${LORAFLEET_CACHE:-$HOME/.cache/lorafleet}
+IMAGE_TAG=${IMAGE_TAG:-dev}
+PYTHON_IMAGE=${PYTHON_IMAGE:-$(sed -n 's/^ARG PYTHON_IMAGE=//p' Dockerfile.worker)}
+STANDIN=localhost/lorafleet/python-standin:3.11-bookworm
+images=("$@"); [ ${#images[@]} -gt 0 ] || images=(operator worker worker-dev)
+
+# -- the engine ---------------------------------------------------------------------------------------
+engine=$(tools/container-engine.sh)
+[ "$engine" = podman ] && export CONTAINERS_CONF=${CONTAINERS_CONF:-$LORAFLEET_CACHE/podman/containers.conf}
+echo "==> building with $engine: ${images[*]} (tag $IMAGE_TAG)"
+
+# -- the base -----------------------------------------------------------------------------------------
+if "$engine" image inspect "$PYTHON_IMAGE" >/dev/null 2>&1 || timeout 120 "$engine" pull -q "$PYTHON_IMAGE" >/dev/null 2>&1; then
+  base=$PYTHON_IMAGE
+else
+  base=$STANDIN
+  echo "==> $PYTHON_IMAGE cannot be pulled; using the local stand-in $base"
+  "$engine" image inspect "$base" >/dev/null 2>&1 || tools/python-base.sh "$engine" "$base"
+fi
+
+# -- the host's package configuration -----------------------------------------------------------------
+secrets=()
+[ -s /etc/pip.conf ] && secrets+=(--secret id=pip.conf,src=/etc/pip.conf)
+for ca in "${PIP_CERT:-}" "${SSL_CERT_FILE:-}" /etc/ssl/certs/ca-certificates.crt; do
+  if [ -n "$ca" ] && [ -s "$ca" ]; then secrets+=(--secret "id=ca-bundle,src=$ca"); break; fi
+done
+build_args=(--build-arg "PYTHON_IMAGE=$base")
+for var in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_TRUSTED_HOST UV_DEFAULT_INDEX UV_INDEX UV_INDEX_URL UV_EXTRA_INDEX_URL; do
+  [ -n "${!var:-}" ] && build_args+=(--build-arg "$var")   # value taken from the environment, not the command line
+done
+if [ -z "${UV_DEFAULT_INDEX:-}${UV_INDEX_URL:-}${PIP_INDEX_URL:-}" ] && command -v pip3 >/dev/null; then
+  index=$(pip3 config get global.index-url 2>/dev/null || true)
+  [ -n "$index" ] && export UV_DEFAULT_INDEX=$index && build_args+=(--build-arg UV_DEFAULT_INDEX)
+fi
+engine_args=(--network host)
+if [ "$engine" = podman ]; then
+  mkdir -p "$LORAFLEET_CACHE/uv"
+  engine_args+=(--layers -v "$LORAFLEET_CACHE/uv:/var/cache/lorafleet-uv" --build-arg UV_CACHE_DIR=/var/cache/lorafleet-uv)
+else
+  export DOCKER_BUILDKIT=1
+fi
+
+# -- build ----------------------------------------------------------------------------------------------
+for image in "${images[@]}"; do
+  case $image in
+    operator) file=Dockerfile.operator tag=lorafleet/operator:$IMAGE_TAG extra=() ;;
+    worker) file=Dockerfile.worker tag=lorafleet/worker:$IMAGE_TAG extra=() ;;
+    worker-dev) file=Dockerfile.worker tag=lorafleet/worker:$IMAGE_TAG-dev extra=(--build-arg WORKER_EXTRAS=dev) ;;
+    *) echo "unknown image $image (operator, worker, worker-dev)" >&2; exit 2 ;;
+  esac
+  start=$(date +%s)
+  echo "==> $tag ($file)"
+  "$engine" build "${engine_args[@]}" "${build_args[@]}" "${secrets[@]}" "${extra[@]}" -f "$file" -t "$tag" .
+  echo "==> $tag built in $(( $(date +%s) - start )) s"
+done
