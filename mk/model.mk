@@ -11,3 +11,7 @@ adapters: model  ## train the demo/bench LoRA adapters on the real model (minute
 	@$(PY) -m demo.train_adapters >/dev/null
 
 setup: model
+
+.PHONY: demo-real
+demo-real: adapters  ## one worker with the real model and the trained adapters; answers side by side (no Kubernetes)
+	$(PY) -m demo.side_by_side
