@@ -1,4 +1,4 @@
-"""The real model (SmolLM2-135M-Instruct, prepared by `make setup`): the worker's chat answers match transformers.
+"""The real model (SmolLM2-135M-Instruct, prepared by `make setup`) and the demo's adapter training.
 
 The worker serves the converted directory; a few chat questions go through `/v1/chat/completions`
 at once (one batch), greedy. transformers `generate` on the same directory, with the chat template
@@ -9,7 +9,9 @@ finish reason.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,10 @@ import httpx
 import pytest
 import torch
 
+from demo.adapter_data import DEMO_QUESTIONS, STYLES, examples
 from demo.real_model import SERVED_NAME, prepare_model
+from demo.side_by_side import ask_side_by_side
+from demo.train_adapters import RECIPES, train_adapter
 from tests.worker.conftest import Worker, start_worker, stop_worker
 
 MAX_TOKENS = 40
@@ -87,3 +92,37 @@ def test_chat_answers_match_transformers(real_model: Path, real_worker: Worker) 
         assert choice["finish_reason"] == ("stop" if tokens[-1] == eos else "length"), question
     # The model is real: it knows the capital of France (a random model would not).
     assert "Paris" in responses[0]["choices"][0]["message"]["content"]
+
+
+def test_training_data_holds_out_the_demo_questions() -> None:
+    for style in STYLES:
+        questions = {e.question for e in examples(style)}
+        assert questions.isdisjoint(DEMO_QUESTIONS), style
+    # Same questions in the same order for every style; only the answers differ.
+    answers = [[e.answer for e in examples(style)] for style in STYLES]
+    assert all(len(set(row)) == len(STYLES) for row in zip(*answers, strict=True))
+    shapes = {(r.rank, r.targets) for r in RECIPES.values()}
+    assert len(shapes) == len(RECIPES), "every adapter has its own rank and target modules"
+
+
+def test_trained_adapter_is_served(real_model: Path, real_worker: Worker, capsys: pytest.CaptureFixture[str]) -> None:
+    """A few training steps give a real PEFT adapter (B no longer zero) that the worker loads and serves."""
+    from safetensors.torch import load_file
+
+    out = real_worker.file_root / "pirate-smoke"
+    losses = train_adapter(real_model, "pirate", replace(RECIPES["pirate"], steps=2, batch=2), out)
+    assert len(losses) == 2 and all(0 < loss < 20 for loss in losses), losses
+    weights = load_file(out / "adapter_model.safetensors")
+    lora_b = [t for name, t in weights.items() if "lora_B" in name]
+    assert len(lora_b) == 2 * real_worker_layers(real_model) and all(t.abs().sum() > 0 for t in lora_b)
+
+    real_worker.load("smollm2-pirate-smoke", out)
+    answers = ask_side_by_side(
+        real_worker.url, {"base": real_worker.model_name, "pirate": "smollm2-pirate-smoke"}, DEMO_QUESTIONS[:1]
+    )
+    assert set(answers[DEMO_QUESTIONS[0]]) == {"base", "pirate"}
+    assert DEMO_QUESTIONS[0] in capsys.readouterr().out
+
+
+def real_worker_layers(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["num_hidden_layers"])
