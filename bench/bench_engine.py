@@ -1,11 +1,20 @@
 """Engine benchmark: lorafleet vs Hugging Face transformers + PEFT, side by side in one run.
 
 Scenarios (prompt 128 tokens, 64 output tokens, greedy, EOS ignored), each at concurrency
-1, 8, 32 and 64:
+1, 8, 32 and 64. On the generated weight-heavy Llama (97M parameters, random weights):
   base     base model only
   one      every request uses the same adapter (rank 16)
-  mixed16  16 adapters, ranks 8/16/32/64 round-robin
+  mixed16  16 adapters, ranks 8/16/32/64 round-robin on all seven projections (as heavy as the base)
   churn64  64 adapters, lorafleet with --max-loras 16 (slot churn)
+On the real model, SmolLM2-135M-Instruct (`make setup` converts it; demo/real_model.py):
+  real-base      base model only
+  real-trained4  the demo's four trained adapters (ranks 8-32, different target modules), round-robin
+  real-qv16      16 adapters of rank 8/8/8/16 on q_proj + v_proj (PEFT's Llama default): ~7 % of the
+                 base weights, the realistic proportion
+
+Every lorafleet run also times the parts of its decode steps at `--breakdown-concurrency` (one more
+pass, with timing hooks) and the parent measures this machine's roofline (bench/roofline.py): each
+scenario's JSON says how far each part is from its floor.
 
 lorafleet runs the in-process `Engine` (continuous batching); the peer runs
 `PeftModel.generate(adapter_names=...)` in static batches of `concurrency` requests, the
@@ -39,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import roofline
 from common import (
     MIXED_RANKS,
     bench_adapter,
@@ -48,18 +58,52 @@ from common import (
     peak_rss_mib,
     percentile,
     read_json,
+    real_model,
+    trained_adapters,
     write_json,
 )
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 64
 MAX_MODEL_LEN = PROMPT_LEN * 3 // 2 + OUTPUT_LEN * 7 // 4 + 16  # fits the varied workload
-SCENARIOS: dict[str, dict[str, int]] = {
-    "base": {"adapters": 0, "max_loras": 16},
-    "one": {"adapters": 1, "max_loras": 16},
-    "mixed16": {"adapters": 16, "max_loras": 16},
-    "churn64": {"adapters": 64, "max_loras": 16},
+QV_RANKS = (8, 8, 8, 16)
+QV_TARGETS = ("q_proj", "v_proj")
+BREAKDOWN_CONTEXT = PROMPT_LEN + OUTPUT_LEN // 2  # mean context of a uniform pass's decode steps
+
+
+@dataclass(frozen=True)
+class Scenario:
+    model: str  # "random": the generated weight-heavy Llama; "real": SmolLM2-135M-Instruct
+    adapters: int
+    kind: str = "mixed"  # "mixed" (ranks 8-64, all projections), "qv" (QV_RANKS on QV_TARGETS), "trained"
+    base: str = "base"  # the scenario that `lorafleet_vs_base` divides by
+    max_loras: int = 16
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "base": Scenario("random", 0),
+    "one": Scenario("random", 1),
+    "mixed16": Scenario("random", 16),
+    "churn64": Scenario("random", 64),
+    "real-base": Scenario("real", 0, base="real-base"),
+    "real-trained4": Scenario("real", 4, kind="trained", base="real-base"),
+    "real-qv16": Scenario("real", 16, kind="qv", base="real-base"),
 }
+
+
+def scenario_model(scenario: str) -> Path:
+    return real_model() if SCENARIOS[scenario].model == "real" else bench_model()
+
+
+def scenario_adapters(scenario: str, model: Path) -> list[tuple[str, Path]]:
+    """(name, directory) of the scenario's adapters, built (or trained) and cached on first use."""
+    spec = SCENARIOS[scenario]
+    if spec.kind == "trained":
+        return list(trained_adapters(model).items())
+    if spec.kind == "qv":
+        ranks = [QV_RANKS[i % len(QV_RANKS)] for i in range(spec.adapters)]
+        return [(f"q{i:03d}", bench_adapter(model, i, r, QV_TARGETS)) for i, r in enumerate(ranks)]
+    return [(name, bench_adapter(model, int(name[1:]), rank)) for name, rank in adapter_plan(spec.adapters)]
 
 
 def adapter_plan(n: int) -> list[tuple[str, int]]:
@@ -123,28 +167,34 @@ def _ms(v: float | None) -> float | None:
 
 
 def run_lorafleet(
-    model: Path, scenario: str, concurrencies: list[int], device: str, workload: str = "uniform"
-) -> list[dict[str, Any]]:
+    model: Path,
+    scenario: str,
+    concurrencies: list[int],
+    device: str,
+    workload: str = "uniform",
+    breakdown_c: int = 0,
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Throughput passes at each concurrency, then (if `breakdown_c`) one timed pass: ms per decode-step part."""
     from lorafleet_worker.engine import Engine
     from lorafleet_worker.sampling import SamplingParams
 
     spec = SCENARIOS[scenario]
-    plan = adapter_plan(spec["adapters"])
+    adapters = scenario_adapters(scenario, model)
     engine = Engine(
         model,
         device=device,
-        max_loras=spec["max_loras"],
-        max_cpu_loras=max(64, len(plan)),
+        max_loras=spec.max_loras,
+        max_cpu_loras=max(64, len(adapters)),
         max_lora_rank=64,
-        max_num_seqs=max(concurrencies),
+        max_num_seqs=max(*concurrencies, breakdown_c),
         max_model_len=MAX_MODEL_LEN,
     )
 
-    async def main() -> list[dict[str, Any]]:
+    async def main() -> tuple[list[dict[str, Any]], dict[str, float]]:
         await engine.start()
-        for name, rank in plan:
-            await engine.add_adapter(name, bench_adapter(model, int(name[1:]), rank))
-        names = [n for n, _ in plan]
+        for name, path in adapters:
+            await engine.add_adapter(name, path)
+        names = [n for n, _ in adapters]
         results = []
         await one_pass(engine, SamplingParams, requests_for(1, names, engine.config.vocab_size)[:1], 1)  # warm-up
         for c in concurrencies:
@@ -152,8 +202,16 @@ def run_lorafleet(
             res = await one_pass(engine, SamplingParams, reqs, c)
             log(f"lorafleet {scenario} c={c}: {res['output_tok_s']} tok/s")
             results.append(res)
+        breakdown: dict[str, float] = {}
+        if breakdown_c:
+            hooks = roofline.StepBreakdown(engine)
+            reqs = requests_for(breakdown_c, names, engine.config.vocab_size)
+            await one_pass(engine, SamplingParams, reqs, breakdown_c)
+            hooks.remove()
+            breakdown = hooks.decode_ms()
+            log(f"lorafleet {scenario} c={breakdown_c} decode step breakdown (ms): {breakdown}")
         await engine.stop()
-        return results
+        return results, breakdown
 
     return asyncio.run(main())
 
@@ -188,20 +246,20 @@ async def one_pass(engine: Any, params_cls: Any, reqs: list[Request], c: int) ->
 # ---------------------------------------------------------------------------- transformers + PEFT
 
 
-def load_peft(model: Path, plan: list[tuple[str, int]], device: str) -> Any:
-    """The transformers model, wrapped by PEFT with the plan's adapters (if any)."""
+def load_peft(model: Path, adapters: list[tuple[str, Path]], device: str) -> Any:
+    """The transformers model, wrapped by PEFT with the scenario's adapters (if any)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     auto: Any = AutoModelForCausalLM
     hf: Any = auto.from_pretrained(model, dtype=torch.float32).to(device).eval()
-    if plan:
+    if adapters:
         from peft import PeftModel
 
-        name0, rank0 = plan[0]
-        hf = PeftModel.from_pretrained(hf, bench_adapter(model, 0, rank0), adapter_name=name0)
-        for name, rank in plan[1:]:
-            hf.load_adapter(bench_adapter(model, int(name[1:]), rank), adapter_name=name)
+        name0, path0 = adapters[0]
+        hf = PeftModel.from_pretrained(hf, path0, adapter_name=name0)
+        for name, path in adapters[1:]:
+            hf.load_adapter(path, adapter_name=name)
         hf.eval()
     return hf
 
@@ -271,9 +329,9 @@ def peft_pass(hf: Any, reqs: list[Request], c: int, device: str) -> dict[str, An
 def run_peft(
     model: Path, scenario: str, concurrencies: list[int], device: str, workload: str = "uniform"
 ) -> list[dict[str, Any]]:
-    plan = adapter_plan(SCENARIOS[scenario]["adapters"])
-    hf = load_peft(model, plan, device)
-    names = [n for n, _ in plan]
+    adapters = scenario_adapters(scenario, model)
+    hf = load_peft(model, adapters, device)
+    names = [n for n, _ in adapters]
     vocab = hf.config.vocab_size
     peft_generate(hf, requests_for(1, names, vocab)[:1], device)  # warm-up
     results = []
@@ -301,8 +359,8 @@ def run_ab(model: Path, concurrencies: list[int], rounds: int, device: str) -> d
     from lorafleet_worker.engine import Engine
     from lorafleet_worker.sampling import SamplingParams
 
-    plan = adapter_plan(SCENARIOS["mixed16"]["adapters"])
-    names = [n for n, _ in plan]
+    adapters = scenario_adapters("mixed16", model)
+    names = [n for n, _ in adapters]
     engine = Engine(model, device=device, max_loras=16, max_cpu_loras=64, max_lora_rank=64,
                     max_num_seqs=max(concurrencies), max_model_len=MAX_MODEL_LEN)  # fmt: skip
     vocab = engine.config.vocab_size
@@ -310,8 +368,8 @@ def run_ab(model: Path, concurrencies: list[int], rounds: int, device: str) -> d
 
     async def main() -> None:
         await engine.start()
-        for name, rank in plan:
-            await engine.add_adapter(name, bench_adapter(model, int(name[1:]), rank))
+        for name, path in adapters:
+            await engine.add_adapter(name, path)
         await one_pass(engine, SamplingParams, requests_for(1, names, vocab)[:1], 1)
         for r in range(rounds):
             for c in concurrencies:
@@ -341,10 +399,38 @@ def run_ab(model: Path, concurrencies: list[int], rounds: int, device: str) -> d
 
 
 def child(args: argparse.Namespace) -> None:
-    model = bench_model()
-    runner = run_lorafleet if args.system == "lorafleet" else run_peft
-    results = runner(model, args.scenario, args.concurrency, args.device, args.workload)
-    print(json.dumps({"results": results, "peak_rss_mib": round(peak_rss_mib(), 1)}))
+    model = scenario_model(args.scenario)
+    breakdown: dict[str, float] = {}
+    if args.system == "lorafleet":
+        results, breakdown = run_lorafleet(
+            model, args.scenario, args.concurrency, args.device, args.workload, args.breakdown_concurrency
+        )
+    else:
+        results = run_peft(model, args.scenario, args.concurrency, args.device, args.workload)
+    out: dict[str, Any] = {"results": results, "peak_rss_mib": round(peak_rss_mib(), 1)}
+    if breakdown:
+        out["decode_breakdown_ms"] = breakdown
+    print(json.dumps(out))
+
+
+def roofline_of(scenario: str, concurrency: int, machines: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """This machine's roofline at the scenario's decode shapes (measured once per model) and its floors."""
+    from lorafleet_worker.config import ModelConfig
+
+    model = scenario_model(scenario)
+    config = ModelConfig.from_dir(model)
+    if model.name not in machines:
+        log(f"measuring the roofline: copy bandwidth, F.linear at {model.name}'s shapes (M = {concurrency}, 512)")
+        machines[model.name] = roofline.measure_machine(config, concurrency)
+    shapes = [roofline.AdapterShape.read(path) for _, path in scenario_adapters(scenario, model)]
+    return {
+        "model": model.name,
+        "concurrency": concurrency,
+        "context": BREAKDOWN_CONTEXT,
+        "machine": machines[model.name],
+        "adapter_weight_pct": round(100 * roofline.adapter_weight_share(config, shapes), 2),
+        "floors_ms": roofline.floors_ms(config, shapes, concurrency, BREAKDOWN_CONTEXT, machines[model.name]),
+    }
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -361,6 +447,8 @@ def main() -> None:
     ap.add_argument("--workload", default="uniform", choices=WORKLOADS, help="see the module docstring")
     ap.add_argument("--merge", action="store_true", help="keep the runs already in bench/engine.json")
     ap.add_argument("--ab", type=int, metavar="ROUNDS", help="interleaved A/B in one process (bench/engine_ab.json)")
+    ap.add_argument("--breakdown-concurrency", type=int, default=32, metavar="C",
+                    help="time the parts of lorafleet's decode steps in one more pass at C (0: skip)")  # fmt: skip
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--system", help=argparse.SUPPRESS)
     ap.add_argument("--scenario", help=argparse.SUPPRESS)
@@ -376,24 +464,31 @@ def main() -> None:
         write_json("engine_ab", {"machine": machine(), "model": {"path": str(model)}, **result})
         return
 
-    model = bench_model()
-    for name, rank in adapter_plan(max(SCENARIOS[s]["adapters"] for s in args.scenarios)):
-        bench_adapter(model, int(name[1:]), rank)
+    for scenario in args.scenarios:  # build, convert or train what the scenarios need before timing anything
+        scenario_adapters(scenario, scenario_model(scenario))
     out_name = "engine" if args.workload == "uniform" else f"engine_{args.workload}"
     previous = read_json(out_name) if args.merge else None
     runs: dict[str, dict[str, Any]] = dict(previous["runs"]) if previous else {}
+    rooflines: dict[str, dict[str, Any]] = dict(previous.get("roofline", {})) if previous else {}
+    machines: dict[str, dict[str, Any]] = {}
     for scenario in args.scenarios:  # both systems back to back: they see the same machine load
         for system in args.systems:
             log(f"running {system} / {scenario} at concurrency {args.concurrency}")
             cmd = [sys.executable, __file__, "--child", "--system", system, "--scenario", scenario, "--device",
-                   args.device, "--workload", args.workload, "--concurrency", *map(str, args.concurrency)]  # fmt: skip
+                   args.device, "--workload", args.workload, "--concurrency", *map(str, args.concurrency),
+                   "--breakdown-concurrency", str(args.breakdown_concurrency)]  # fmt: skip
             t0 = time.time()
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
             run = json.loads(proc.stdout.strip().splitlines()[-1])
             run["started"] = time.strftime("%H:%M:%S", time.gmtime(t0))
             run["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
             runs[f"{system}/{scenario}"] = run
-            model_info = {"path": str(model), "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN}
+            if "decode_breakdown_ms" in run:
+                entry = roofline_of(scenario, args.breakdown_concurrency, machines)
+                entry.update(roofline.distance(run["decode_breakdown_ms"], entry["floors_ms"]))
+                rooflines[scenario] = entry
+            models = {s: str(scenario_model(s)) for s in SCENARIOS if any(k.endswith(f"/{s}") for k in runs)}
+            model_info = {"prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "models": models}
             write_json(
                 out_name,
                 {
@@ -402,6 +497,7 @@ def main() -> None:
                     "model": model_info,
                     "runs": runs,
                     "ratios": ratios(runs),
+                    "roofline": rooflines,
                 },
             )
 
@@ -421,7 +517,9 @@ def ratios(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         {
             "concurrency": c,
             "scenario": scenario,
-            "lorafleet_vs_base": ratio(tok_s(f"lorafleet/{scenario}", c), tok_s("lorafleet/base", c)),
+            "lorafleet_vs_base": ratio(
+                tok_s(f"lorafleet/{scenario}", c), tok_s(f"lorafleet/{SCENARIOS[scenario].base}", c)
+            ),
             "lorafleet_vs_peft": ratio(tok_s(f"lorafleet/{scenario}", c), tok_s(f"peft/{scenario}", c)),
         }
         for c in concurrencies

@@ -15,6 +15,8 @@ from typing import Any
 
 CACHE = Path(os.environ.get("LORAFLEET_CACHE", Path.home() / ".cache" / "lorafleet")) / "bench"
 OUT_DIR = Path(__file__).resolve().parent
+if str(OUT_DIR.parent) not in sys.path:  # the repository root: `demo` prepares the real model and adapters
+    sys.path.append(str(OUT_DIR.parent))
 
 # ~97M parameters, Llama family, fp32: big enough that compute dominates on a CPU.
 BENCH_MODEL = dict(hidden_size=768, num_layers=14, num_heads=12, num_kv_heads=4, intermediate_size=2304, vocab_size=512)
@@ -43,17 +45,36 @@ def bench_model(name: str | None = None, **overrides: Any) -> Path:
     return out
 
 
-def bench_adapter(base: Path, index: int, rank: int) -> Path:
-    """Adapter `index` (rank `rank`, all seven projections) for `base`, cached."""
-    from lorafleet_worker.devtools import make_tiny_adapter
+def bench_adapter(base: Path, index: int, rank: int, targets: tuple[str, ...] | None = None) -> Path:
+    """Random adapter `index` of rank `rank` for `base` (all seven projections unless `targets`), cached."""
+    from lorafleet_worker.devtools import ALL_TARGETS, make_tiny_adapter
 
-    out = CACHE / f"{base.name}-adapters" / f"a{index:03d}-r{rank}"
+    suffix = "" if targets is None else "-" + "-".join(t.removesuffix("_proj") for t in targets)
+    out = CACHE / f"{base.name}-adapters" / f"a{index:03d}-r{rank}{suffix}"
     if not (out / "adapter_config.json").exists():
         tmp = out.with_suffix(".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        make_tiny_adapter(tmp, base, rank=rank, seed=1000 + index, strength=0.3)
+        make_tiny_adapter(tmp, base, rank=rank, seed=1000 + index, strength=0.3, targets=targets or ALL_TARGETS)
         tmp.rename(out)
     return out
+
+
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct converted by `make setup` (demo.real_model); the smoke model under SMOKE."""
+    if SMOKE:
+        return bench_model("llama-smoke-real", vocab_size=1024)
+    from demo.real_model import prepare_model
+
+    return prepare_model()
+
+
+def trained_adapters(base: Path) -> dict[str, Path]:
+    """The demo's four trained adapters (demo.train_adapters); under SMOKE, random ones of the same shapes."""
+    from demo.train_adapters import RECIPES, trained_adapters
+
+    if SMOKE:
+        return {s: bench_adapter(base, i, r.rank, r.targets) for i, (s, r) in enumerate(RECIPES.items())}
+    return trained_adapters()
 
 
 def percentile(values: list[float], q: float) -> float | None:

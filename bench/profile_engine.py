@@ -20,8 +20,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import OUTPUT_LEN, PROMPT_LEN, SCENARIOS, adapter_plan, one_pass, requests_for
-from common import bench_adapter, bench_model, log
+from bench_engine import (
+    OUTPUT_LEN,
+    PROMPT_LEN,
+    SCENARIOS,
+    one_pass,
+    requests_for,
+    scenario_adapters,
+    scenario_model,
+)
+from common import log
 
 PREFILL_STEPS = 2  # the first steps of a pass are prefills; the torch profile covers decode steps
 
@@ -88,12 +96,12 @@ def profile(model: Path, scenario: str, concurrency: int, profile_steps: int) ->
     from lorafleet_worker.sampling import SamplingParams
 
     spec = SCENARIOS[scenario]
-    plan = adapter_plan(spec["adapters"])
+    adapters = scenario_adapters(scenario, model)
     timers = Timers()
     engine = Engine(
         model,
-        max_loras=spec["max_loras"],
-        max_cpu_loras=max(64, len(plan)),
+        max_loras=spec.max_loras,
+        max_cpu_loras=max(64, len(adapters)),
         max_lora_rank=64,
         max_num_seqs=max(concurrency, 1),
         max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
@@ -111,9 +119,9 @@ def profile(model: Path, scenario: str, concurrency: int, profile_steps: int) ->
 
     async def run() -> None:
         await engine.start()
-        for name, rank in plan:
-            await engine.add_adapter(name, bench_adapter(model, int(name[1:]), rank))
-        names = [n for n, _ in plan]
+        for name, path in adapters:
+            await engine.add_adapter(name, path)
+        names = [n for n, _ in adapters]
         await one_pass(engine, SamplingParams, requests_for(1, names, engine.config.vocab_size)[:1], 1)
         timers.enabled = True
         reqs = requests_for(concurrency, names, engine.config.vocab_size)
@@ -139,7 +147,7 @@ def main() -> None:
     ap.add_argument("--torch-profile", type=int, nargs="?", const=4, default=0, metavar="STEPS",
                     help="torch.profiler table of STEPS decode steps (default 4) of one more pass")  # fmt: skip
     args = ap.parse_args()
-    profile(bench_model(), args.scenario, args.concurrency, args.torch_profile)
+    profile(scenario_model(args.scenario), args.scenario, args.concurrency, args.torch_profile)
 
 
 if __name__ == "__main__":

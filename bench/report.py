@@ -47,10 +47,32 @@ def engine_section(data: dict[str, Any], name: str) -> list[str]:
     rrows = [[r["scenario"], r["concurrency"], r["lorafleet_vs_base"], r["lorafleet_vs_peft"]] for r in data["ratios"]]
     lines += [table(["scenario", "conc.", "lorafleet ÷ lorafleet-base (target ≥ 0.85)",
                      "lorafleet ÷ PEFT (target ≥ 5)"], rrows), ""]  # fmt: skip
+    lines += roofline_section(data.get("roofline") or {})
     png = "engine_throughput.png" if workload == "uniform" else f"{name}_throughput.png"
     plot_engine(data, png, workload)
     lines += [f"![throughput]({png})", ""]
     return lines
+
+
+def roofline_section(rooflines: dict[str, Any]) -> list[str]:
+    """Per scenario: lorafleet's decode step split into parts, each against its floor on this machine."""
+    if not rooflines:
+        return []
+    lines = ["### Roofline: lorafleet decode step vs its floor (measured in the same run)", ""]
+    for model, m in {r["model"]: r["machine"] for r in rooflines.values()}.items():
+        lines.append(f"- `{model}`: copy bandwidth {m['bandwidth_gb_s']} GB/s, best `F.linear` "
+                     f"{m['peak_gflop_s']} GFLOP/s at its decode shapes and M = 512")  # fmt: skip
+    lines += ["", "Each cell: measured ms per decode step / floor ms (max of bytes ÷ bandwidth and FLOPs ÷ peak); "
+              "'rest' (norms, RoPE, activations, Python) has no floor.", ""]  # fmt: skip
+    parts = ("base_gemms", "lora", "attention", "sampling", "rest")
+    rows = []
+    for scenario, r in rooflines.items():
+        cells = [f"{r['parts'][p]['measured_ms']} / {r['parts'][p]['floor_ms']}" for p in parts]
+        step = f"{r['step_ms']} / {r['step_floor_ms']}"
+        rows.append([scenario, r["concurrency"], r["adapter_weight_pct"], *cells, step, r["pct_of_roofline"]])
+    header = ["scenario", "conc.", "adapters % of base", "base GEMMs", "LoRA", "attention", "sampling", "rest",
+              "step ms / floor", "% of roofline"]  # fmt: skip
+    return [*lines, table(header, rows), ""]
 
 
 def joined(values: Any) -> str:

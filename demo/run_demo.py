@@ -5,7 +5,10 @@ three LoRA adapters, installs the chart (operator, router, MinIO, two CPU worker
 the same tiny model), uploads adapters to the chart's MinIO, serves one through a local
 Hugging Face endpoint (synced by the operator's Job), applies the example DynamoModels (one of
 them NVIDIA Dynamo's manifest, verbatim), waits for Ready, and asks every adapter through the
-router. `DEMO_KEEP=1` keeps everything running and prints how to reach it.
+router. Beside it, a worker group serves the real model (SmolLM2-135M-Instruct, `demo.real_model`)
+with four adapters trained on this machine (`demo.train_adapters`), and the demo prints the answers
+of the base model and of each adapter to the same questions side by side (`demo.real_fleet`).
+`DEMO_KEEP=1` keeps everything running and prints how to reach it.
 
 If the operator or the control-plane tools are not available yet, it falls back to
 `make demo-worker` (a single worker, no Kubernetes) and says so.
@@ -68,8 +71,9 @@ def missing_parts() -> list[str]:
 
 def fallback(missing: list[str]) -> int:
     say("the full demo needs: " + "; ".join(missing))
-    say("falling back to `make demo-worker` (one worker, no Kubernetes)")
-    return subprocess.call(["make", "--no-print-directory", "demo-worker"], cwd=ROOT)
+    say("falling back to `make demo-worker` and `make demo-real` (one worker each, no Kubernetes)")
+    status = subprocess.call(["make", "--no-print-directory", "demo-worker"], cwd=ROOT)
+    return status or subprocess.call(["make", "--no-print-directory", "demo-real"], cwd=ROOT)
 
 
 @contextlib.contextmanager
@@ -119,14 +123,20 @@ def run() -> int:
     from lorafleet_devcluster.session import shared_cluster
     from lorafleet_devcluster.stack import BASE_MODEL, Release, default_values, wait_for
 
+    from demo import real_fleet
+
     keep = os.environ.get("DEMO_KEEP", "") not in ("", "0")
     workdir = Path(tempfile.mkdtemp(prefix="lorafleet-demo-"))
     try:
+        say("the real model (SmolLM2-135M-Instruct) and its trained adapters (the first run trains them)")
+        real_model, real_adapters = real_fleet.prepare()
         with adapters_and_hub(workdir) as (dirs, hub_url):
             say("starting the local control plane (etcd, kube-apiserver, kube-controller-manager) and node agent")
             with shared_cluster() as cluster:
                 release = Release(cluster, cluster.new_namespace("demo"), log=say)
-                release.deploy(default_values(cluster, workers=2, hf_endpoint=hub_url))
+                values = default_values(cluster, workers=2, hf_endpoint=hub_url)
+                values["workers"].append(real_fleet.worker_group(real_model))
+                release.deploy(values)
                 for name, (_, uri) in MODELS.items():
                     if uri.startswith("s3://"):
                         say(f"uploading adapter {name} to {uri} (the chart's MinIO)")
@@ -134,6 +144,7 @@ def run() -> int:
                 for example in ("dynamo-my-lora.yaml", "s3-loras.yaml", "hf-lora.yaml"):
                     say(f"kubectl apply -f examples/{example}")
                     release.apply(EXAMPLES / example)
+                real_fleet.deploy_adapters(release, real_adapters, say)
                 for name in MODELS:
                     dm = release.wait_ready(name, timeout=300)
                     pods = ", ".join(e["podName"] for e in dm["status"]["endpoints"])
@@ -146,6 +157,7 @@ def run() -> int:
                 for model in (BASE_MODEL, *(m for m, _ in MODELS.values())):
                     for prompt in PROMPTS:
                         print(f"  {model:<18} {prompt!r:>20} -> {release.complete(model, prompt, 12)!r}", flush=True)
+                real_fleet.show(release, real_adapters, say)
                 if keep:
                     wait_for_interrupt(release.namespace, router, cluster.kubeconfig)
                 say("tearing down")

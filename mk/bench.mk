@@ -8,7 +8,7 @@ BENCH_PROFILE_ARGS ?= --scenario mixed16 --concurrency 32
 
 bench: setup bench-placement bench-loading bench-micro bench-engine bench-operator bench-report  ## run every benchmark, write bench/REPORT.md
 
-bench-engine: setup-python  ## lorafleet vs transformers+PEFT (concurrency 1/8/32/64)
+bench-engine: setup-python  ## lorafleet vs transformers+PEFT (concurrency 1/8/32/64), random + real model, roofline
 	$(PY) bench/bench_engine.py $(BENCH_ENGINE_ARGS)
 
 bench-loading: setup  ## adapter load latency: cold (MinIO), warm (disk), hot (CPU -> slot)
@@ -32,5 +32,6 @@ bench-micro: setup-python  ## the torch LoRA backend on one mixed16 decode step 
 bench-smoke: setup  ## every benchmark on a tiny model, results in bench/smoke/ (checks the scripts)
 	LORAFLEET_BENCH_SMOKE=1 $(PY) bench/bench_placement.py --adapters 200 --pods 20
 	LORAFLEET_BENCH_SMOKE=1 $(PY) bench/bench_loading.py --repeats 3
-	LORAFLEET_BENCH_SMOKE=1 $(PY) bench/bench_engine.py --concurrency 1 8 --scenarios base mixed16
+	LORAFLEET_BENCH_SMOKE=1 $(PY) bench/bench_engine.py --concurrency 1 8 --scenarios base mixed16 real-base real-qv16 \
+		--breakdown-concurrency 8
 	LORAFLEET_BENCH_SMOKE=1 $(PY) bench/report.py

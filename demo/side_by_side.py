@@ -1,0 +1,118 @@
+"""Ask the real model and each trained adapter the same questions; print the answers side by side.
+
+`ask_side_by_side(url, ...)` works against anything that speaks the OpenAI chat API: the cluster
+demo passes the router's URL (`demo.run_demo`), `python -m demo.side_by_side` (or `make demo-real`)
+starts one worker with the real model and loads the adapters itself, without Kubernetes.
+Greedy decoding, so the same question gives the same answer every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import textwrap
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from demo.adapter_data import DEMO_QUESTIONS, STYLES
+from demo.real_model import SERVED_NAME, prepare_model
+from demo.train_adapters import trained_adapters
+
+MAX_TOKENS = 40
+# The OpenAI model name each trained adapter is served under.
+ADAPTER_MODELS = {style: f"smollm2-{style}" for style in STYLES}
+
+
+def chat(client: httpx.Client, url: str, model: str, question: str) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": MAX_TOKENS,
+            "temperature": 0}  # fmt: skip
+    r = client.post(f"{url}/v1/chat/completions", json=body)
+    if r.status_code != 200:
+        raise RuntimeError(f"{model}: HTTP {r.status_code} {r.text[:300]}")
+    content: str = r.json()["choices"][0]["message"]["content"]
+    return content
+
+
+def ask_side_by_side(
+    url: str, models: Mapping[str, str], questions: Sequence[str] = DEMO_QUESTIONS, width: int = 100
+) -> dict[str, dict[str, str]]:
+    """Ask every (label -> model name) every question through `url`; print a block per question."""
+    answers: dict[str, dict[str, str]] = {}
+    with httpx.Client(timeout=300) as client:
+        for question in questions:
+            print(f"\n  Q: {question}", flush=True)
+            answers[question] = {}
+            for label, model in models.items():
+                answer = chat(client, url, model, question)
+                answers[question][label] = answer
+                text = textwrap.shorten(" ".join(answer.split()), width=width - 16, placeholder=" …")
+                print(f"    {label:<12} {text}", flush=True)
+    return answers
+
+
+def models_to_ask() -> dict[str, str]:
+    """label -> OpenAI model name: the base model, then every adapter."""
+    return {"base": SERVED_NAME, **ADAPTER_MODELS}
+
+
+def run_single_worker(workdir: Path) -> int:
+    """One worker with the real model; the trained adapters loaded through its management API."""
+    from lorafleet_worker.demo import WorkerStartError, free_port, launch_worker, stop_worker, wait_ready
+
+    model = prepare_model()
+    adapters = trained_adapters()
+    host = "127.0.0.1"
+    port, system_port = free_port(host), free_port(host)
+    url, system_url = f"http://{host}:{port}", f"http://{host}:{system_port}"
+    log_path = workdir / "worker.log"
+    print(f"==> starting lorafleet-worker serve on {model.name} ({url}; log {log_path})", flush=True)
+    env = {"LORAFLEET_FILE_ROOTS": str(next(iter(adapters.values())).parent), "DYN_LORA_PATH": str(workdir / "cache"),
+           "LORAFLEET_ADMIN_TOKEN": ""}  # fmt: skip
+    with log_path.open("wb") as log:
+        args = ["--max-loras", str(len(adapters)), "--max-model-len", "1024"]
+        proc = launch_worker(
+            model, name=SERVED_NAME, host=host, port=port, system_port=system_port, args=args, env=env, log=log
+        )
+    try:
+        wait_ready(proc, system_url)
+        with httpx.Client(timeout=300) as client:
+            for style, path in adapters.items():
+                body: dict[str, Any] = {"lora_name": ADAPTER_MODELS[style], "source": {"uri": f"file://{path}"}}
+                r = client.post(f"{system_url}/v1/loras", json=body)
+                if r.status_code != 200:
+                    print(f"loading {style} failed: {r.status_code} {r.text}", file=sys.stderr)
+                    return 1
+                print(f"==> loaded adapter {ADAPTER_MODELS[style]} ({describe(path)})", flush=True)
+        ask_side_by_side(url, models_to_ask())
+        return 0
+    except WorkerStartError as e:
+        print(f"error: {e}\n{log_path.read_text(errors='replace')[-4000:]}", file=sys.stderr)
+        return 1
+    finally:
+        stop_worker(proc)
+
+
+def describe(adapter: Path) -> str:
+    """'rank 8 on q_proj, v_proj' from an adapter's adapter_config.json."""
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    return f"rank {config['r']} on {', '.join(sorted(config['target_modules']))}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--workdir", type=Path, help="where the worker's log and cache go (default: a temp dir)")
+    args = parser.parse_args(argv)
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        return run_single_worker(args.workdir.resolve())
+    with tempfile.TemporaryDirectory(prefix="lorafleet-demo-real-") as tmp:
+        return run_single_worker(Path(tmp))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
