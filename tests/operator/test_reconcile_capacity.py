@@ -8,7 +8,7 @@ from lorafleet_operator import status as st
 from lorafleet_operator.placement import rank
 
 from .conftest import MgmtWorker
-from .test_reconcile import cond, converge, lora, make, pods_for, reason
+from .test_reconcile import _close_clients, cond, converge, lora, make, pods_for, reason  # noqa: F401 (fixture)
 
 
 async def test_full_pods_are_skipped_and_what_does_not_fit_is_insufficient_capacity(
