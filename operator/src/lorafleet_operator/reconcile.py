@@ -316,7 +316,7 @@ class Reconciler:
             observed = obs.observe(st.READY, cond, endpoints, names)
         requeue = await self._unload_leavers(model, names, target, leavers)
         result = self._done(model, observed, ok=not short)  # short: look again for room, with backoff
-        result.requeue_after = _earliest(source.requeue, requeue)
+        result.requeue_after = _earliest(result.requeue_after, source.requeue, requeue)
         return result
 
     async def _source(self, model: Model) -> _Source:
