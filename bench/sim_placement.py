@@ -14,8 +14,10 @@ Policies:
              held it while their load is below 1.25x the mean, else it is loaded on the least
              loaded pod; a full pod evicts its least-demanded adapter
   ours       demand-aware replicas (``ceil(demand / target)``, at least ``--replicas``; the target is
-             ``--replica-target`` x the mean pod load; a stand-in for outcome 2's autoscaler) placed by
-             ``placement.assign`` (bounded loads within capacity)
+             ``--replica-target`` x the mean pod load; a stand-in for outcome 2's autoscaler) placed
+             hottest first along each adapter's HRW order (``placement.place_within``), skipping pods
+             at capacity or at 1.25x the mean demand load (bounded loads weighted by demand); no
+             hysteresis yet, so its churn is an upper bound
 
 Reported per policy: max/mean pod load, p99 queueing delay (M/M/1 per pod, in units of the mean
 service time), adapter loads per epoch (churn), and over-capacity placements (what would be 507s).
@@ -36,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import log, write_json
-from lorafleet_operator.placement import assign, place
+from lorafleet_operator.placement import DEFAULT_EPSILON, place, place_within
 
 Placement = dict[str, list[str]]
 AFFINITY_THRESHOLD = 1.25  # the gateway moves on when a holder's load exceeds this x the mean
@@ -115,11 +117,27 @@ def affinity(previous: Placement, demand: dict[str, float], pods: list[str], cap
 
 
 def ours(demand: dict[str, float], pods: list[str], capacity: int, replicas: int, target_share: float) -> Placement:
-    """Replicas grow with demand (a replica carries at most ``target_share`` of a pod's mean load),
-    placed by the operator's bounded-load placement within capacity."""
-    target = target_share * sum(demand.values()) / len(pods)
-    wanted = {n: min(len(pods), max(replicas, math.ceil(d / target))) for n, d in demand.items()}
-    return assign(wanted, dict.fromkeys(pods, capacity))
+    """Replicas grow with demand (a replica carries at most ``target_share`` of a pod's mean load);
+    placed hottest first by the operator's bounded-load walk (``placement.place_within``): a pod has
+    room below its capacity and below 1.25x the mean demand load (bounded loads, weighted by demand)."""
+    mean = sum(demand.values()) / len(pods)
+    target = target_share * mean
+    count = dict.fromkeys(pods, 0)
+    load = dict.fromkeys(pods, 0.0)
+    placement: Placement = {}
+    for name in sorted(demand, key=lambda n: (-demand[n], n)):
+        wanted = min(len(pods), max(replicas, math.ceil(demand[name] / target)))
+        share = demand[name] / wanted
+        bound = (1 + DEFAULT_EPSILON) * mean - share
+        chosen = place_within(name, pods, wanted, lambda p, bound=bound: count[p] < capacity and load[p] <= bound)
+        if len(chosen) < wanted:  # no pod under the bound: the least loaded ones with room
+            rest = [p for p in pods if p not in chosen and count[p] < capacity]
+            chosen += sorted(rest, key=lambda p: (load[p], p))[: wanted - len(chosen)]
+        for pod in chosen:
+            count[pod] += 1
+            load[pod] += demand[name] / len(chosen)
+        placement[name] = chosen
+    return placement
 
 
 def simulate(args: argparse.Namespace, s: float, pod_count: int) -> dict[str, Any]:
@@ -181,7 +199,7 @@ def main() -> None:
     ap.add_argument("--shift", type=float, default=0.05)
     ap.add_argument("--utilisation", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=17)
-    ap.add_argument("--out", default="", help="write the results under this name in bench/ (JSON)")
+    ap.add_argument("--out", default="", help="write the results to bench/<out>.json")
     args = ap.parse_args()
     results = []
     for s in args.zipf:
