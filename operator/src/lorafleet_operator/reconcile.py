@@ -44,7 +44,7 @@ from lorafleet_operator import status as st
 from lorafleet_operator.ledger import Ledger, MemoryLedger
 from lorafleet_operator.placement import DEFAULT_EPSILON, load_bound, place_within
 from lorafleet_operator.resources import Model, Pod
-from lorafleet_operator.workers import Inventory, WorkerClient, WorkerError
+from lorafleet_operator.workers import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -142,16 +142,18 @@ class Reconciler:
 
     async def fresh_listing(self, pod: Pod) -> set[str] | None:
         """``GET /v1/loras`` now (the drift pass), kept as the pod's cached listing; None on failure."""
+        names = await self._fetch_listing(pod)
+        return None if names is None else set(names)
+
+    async def _fetch_listing(self, pod: Pod) -> set[str] | None:
+        """``GET /v1/loras`` now, kept (names and capacity) as the pod's cached listing."""
         try:
             inventory = await self.client.inventory(pod.address(self.port))
         except WorkerError as e:
             log.warning("cannot list adapters on pod %s: %s", pod.name, e)
             return None
-        self._keep_listing(pod, inventory)
-        return set(inventory.names)
-
-    def _keep_listing(self, pod: Pod, inventory: Inventory) -> None:
         self._listings[pod.uid] = _Listing(set(inventory.names), time.monotonic(), inventory.capacity)
+        return self._listings[pod.uid].names
 
     async def unload_name(self, pod: Pod, name: str) -> bool:
         """Unload an adapter no DynamoModel stands for (an orphan); True when it is gone."""
@@ -191,13 +193,7 @@ class Reconciler:
             cached = self._listings.get(pod.uid)
             if cached and time.monotonic() - cached.fetched < self.listing_ttl:
                 return cached.names
-            try:
-                inventory = await self.client.inventory(pod.address(self.port))
-            except WorkerError as e:
-                log.warning("cannot list adapters on pod %s: %s", pod.name, e)
-                return None
-            self._keep_listing(pod, inventory)
-            return self._listings[pod.uid].names
+            return await self._fetch_listing(pod)
 
     def _note(self, pod: Pod, name: str, uri: str | None) -> None:
         listing = self._listings.get(pod.uid)
