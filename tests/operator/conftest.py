@@ -3,7 +3,8 @@
 ``MgmtWorker`` follows the SPEC §3 contract (POST/GET/DELETE /v1/loras, Dynamo bodies, real HTTP
 errors) and records every call, so reconcile tests can assert exactly what the operator did.
 A URI containing ``invalid`` is rejected with 400 like a corrupt adapter; ``fail_next`` makes
-the next loads fail with 502 (source unreachable).
+the next loads fail with 502 (source unreachable); ``capacity`` (``--max-loaded-loras``) is
+reported by ``GET /v1/loras`` and enforced with 507 like the real worker.
 
 ``real_fleet`` starts real ``lorafleet-worker serve`` processes laid out like pods (own
 127.0.B.x address, ports 8000/9090) for the integration tests of reconcile and router.
@@ -39,6 +40,7 @@ class MgmtWorker:
     loras: dict[str, str] = field(default_factory=dict)  # name -> uri
     calls: list[tuple[str, str]] = field(default_factory=list)  # (method, name)
     fail_next: int = 0
+    capacity: int | None = None
     runner: web.AppRunner | None = None
     port: int = 0
 
@@ -68,6 +70,8 @@ class MgmtWorker:
             return _error(502, f"{uri}: source unreachable")
         if "invalid" in uri:
             return _error(400, f"{uri}: adapter rank 512 exceeds --max-lora-rank 64")
+        if name not in self.loras and self.capacity is not None and len(self.loras) >= self.capacity:
+            return _error(507, f"cannot load {name}: {self.capacity} adapters loaded (--max-loaded-loras)")
         self.loras[name] = uri
         return web.json_response({"status": "success", "message": "ok", "lora_name": name, "lora_id": lora_id(name)})
 
@@ -76,7 +80,8 @@ class MgmtWorker:
             return denied
         self.calls.append(("GET", ""))
         loras = {n: lora_id(n) for n in self.loras}
-        return web.json_response({"status": "success", "loras": loras, "count": len(loras)})
+        body = {"status": "success", "loras": loras, "count": len(loras), "capacity": self.capacity}
+        return web.json_response(body)
 
     async def unload(self, request: web.Request) -> web.Response:
         if (denied := self._auth(request)) is not None:

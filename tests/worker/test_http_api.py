@@ -80,6 +80,7 @@ def test_load_list_unload_roundtrip(shared_worker: Worker, adapter_a: Path) -> N
     assert shared_worker.loras()[name] == lora_id(name)
     listing = httpx.get(f"{shared_worker.system_url}/v1/loras", headers=shared_worker.admin_headers()).json()
     assert listing["status"] == "success" and listing["count"] == len(listing["loras"])
+    assert listing["capacity"] is None  # no --max-loaded-loras: unlimited
 
     models = {m["id"]: m for m in httpx.get(f"{shared_worker.url}/v1/models").json()["data"]}
     assert models["tiny-llama"]["parent"] is None

@@ -180,6 +180,8 @@ def test_more_adapters_than_max_loaded_loras_is_507(worker: Worker, adapters: li
     body = r.json()
     assert body["status"] == "error" and "cap-c" in body["message"] and str(MAX_LOADED) in body["message"], body
     assert set(worker.loras()) == {"cap-a", "cap-b"}
+    listing = httpx.get(f"{worker.system_url}/v1/loras", headers=worker.admin_headers()).json()
+    assert (listing["count"], listing["capacity"]) == (2, MAX_LOADED)  # what the operator places by
 
     assert "already loaded" in worker.load("cap-a", first)["message"]  # idempotent: no new slot needed
     out = worker.complete("cap-b", "Hello", max_tokens=2)

@@ -7,15 +7,24 @@ separator, which can appear in neither a modelName nor a pod name, so distinct
 ``replicas`` pods with the highest scores (ties, astronomically unlikely, broken
 by pod name). Adding a pod moves a model only if the new pod enters its top
 ``replicas``; removing a pod moves only the models it held.
+
+Capacity (``assign``, ``place_within``): consistent hashing with bounded loads (Mirrokni,
+Thorup, Zadimoghaddam 2018) on top of HRW. A model walks its HRW order and skips pods that
+are full: a pod is full at its own capacity (the worker's ``--max-loaded-loras``) or at the
+balance bound ``ceil((1 + epsilon) * m / n)`` (``m`` replicas asked for in all, ``n`` pods),
+whichever is lower. No pod ever holds more than either; a model whose top pods have room lands
+exactly where plain HRW puts it, so movement stays close to HRW's minimum.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable, Mapping
 
 import blake3
 
 SEPARATOR = b"\x00"
+DEFAULT_EPSILON = 0.25  # the balance bound is 1.25x the mean load
 
 
 def hrw_score(model_name: str, pod_name: str) -> int:
@@ -48,3 +57,49 @@ def takes(model_name: str, placement: Iterable[str], replicas: int, pod_name: st
         return True
     weakest = max((-hrw_score(model_name, p), p) for p in current)  # ranked last by ``rank``
     return (-hrw_score(model_name, pod_name), pod_name) < weakest
+
+
+def load_bound(total_replicas: int, pod_count: int, epsilon: float = DEFAULT_EPSILON) -> int:
+    """The most models one pod may hold for balance: ``ceil((1 + epsilon) * total / pods)``, at least 1."""
+    if epsilon < 0:
+        raise ValueError(f"epsilon must be >= 0, got {epsilon}")
+    if pod_count < 1:
+        return 0
+    return max(1, math.ceil((1 + epsilon) * total_replicas / pod_count))
+
+
+def place_within(model_name: str, pods: Iterable[str], replicas: int, has_room: Callable[[str], bool]) -> list[str]:
+    """The first ``replicas`` pods of ``model_name``'s HRW order for which ``has_room`` holds, best first.
+
+    Fewer (possibly none) when not enough pods have room."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    chosen: list[str] = []
+    for pod in rank(model_name, pods):
+        if len(chosen) == replicas:
+            break
+        if has_room(pod):
+            chosen.append(pod)
+    return chosen
+
+
+def assign(
+    replicas: Mapping[str, int], capacity: Mapping[str, int | None], epsilon: float = DEFAULT_EPSILON
+) -> dict[str, list[str]]:
+    """Place every model (name -> replicas) on the pods (name -> capacity, None = unlimited).
+
+    Bounded-load consistent hashing: models in name order, each on the first pods of its HRW
+    order whose load is below ``min(capacity, load_bound)``. Deterministic; a model that does
+    not fit gets fewer pods than asked for (an empty list when none has room)."""
+    pods = sorted(capacity)
+    total = sum(min(r, len(pods)) for r in replicas.values())
+    bound = load_bound(total, len(pods), epsilon)
+    limit = {p: bound if capacity[p] is None else min(bound, capacity[p] or 0) for p in pods}
+    load = dict.fromkeys(pods, 0)
+    placement: dict[str, list[str]] = {}
+    for name in sorted(replicas):
+        chosen = place_within(name, pods, replicas[name], lambda pod: load[pod] < limit[pod])
+        for pod in chosen:
+            load[pod] += 1
+        placement[name] = chosen
+    return placement

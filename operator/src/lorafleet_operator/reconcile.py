@@ -11,7 +11,11 @@ One pass:
    (the store copy). ``s3://`` / ``file://`` (or ``hf://`` without a store) load directly.
 2. target = the source's URI, or, while it syncs or after it failed (sync failure, a worker's
    400), the last good version (``status.servedUri``): a failed hot swap keeps serving.
-3. placement = top-``replicas`` Ready pods by HRW (``placement.place``).
+3. placement = the first ``replicas`` Ready pods in HRW order that have room (bounded loads,
+   ``placement.place_within``): a pod is full at the capacity its ``GET /v1/loras`` reports
+   (``--max-loaded-loras``) or, for a pod that does not hold the adapter yet, at the balance
+   bound ``ceil((1 + epsilon) * adapters / pods)`` over the observed listings. Adapters that
+   do not fit (or get a worker's 507) show ``InsufficientCapacity`` and are retried with backoff.
 4. load the target on every placed pod whose ``GET /v1/loras`` lacks the adapter or that holds
    another URI (hot swap); listings are cached per pod for ``listing_ttl`` (the drift pass
    refreshes them).
@@ -38,7 +42,7 @@ from lorafleet_sync.uris import HfURI, URIError, is_commit_sha, parse_uri
 from lorafleet_operator import metrics
 from lorafleet_operator import status as st
 from lorafleet_operator.ledger import Ledger, MemoryLedger
-from lorafleet_operator.placement import place
+from lorafleet_operator.placement import DEFAULT_EPSILON, load_bound, place_within
 from lorafleet_operator.resources import Model, Pod
 from lorafleet_operator.workers import WorkerClient, WorkerError
 
@@ -79,6 +83,7 @@ class Result:
 class _Listing:
     names: set[str]
     fetched: float
+    capacity: int | None = None  # adapters the pod can hold (None: unlimited / not reported)
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ class Reconciler:
         retry_base: float = 1.0,
         retry_max: float = 60.0,
         unload_grace: float = 5.0,
+        balance_epsilon: float = DEFAULT_EPSILON,
     ) -> None:
         self.client = client
         self.default_replicas = default_replicas
@@ -121,6 +127,7 @@ class Reconciler:
         self.retry_base = retry_base
         self.retry_max = retry_max
         self.unload_grace = unload_grace
+        self.balance_epsilon = balance_epsilon
         self._listings: dict[str, _Listing] = {}
         self._listing_locks: dict[str, asyncio.Lock] = {}
         self._loaded: dict[tuple[str, str], str] = {}  # (pod uid, lora name) -> URI we loaded / adopted
@@ -135,13 +142,18 @@ class Reconciler:
 
     async def fresh_listing(self, pod: Pod) -> set[str] | None:
         """``GET /v1/loras`` now (the drift pass), kept as the pod's cached listing; None on failure."""
+        names = await self._fetch_listing(pod)
+        return None if names is None else set(names)
+
+    async def _fetch_listing(self, pod: Pod) -> set[str] | None:
+        """``GET /v1/loras`` now, kept (names and capacity) as the pod's cached listing."""
         try:
-            names = await self.client.list(pod.address(self.port))
+            inventory = await self.client.inventory(pod.address(self.port))
         except WorkerError as e:
             log.warning("cannot list adapters on pod %s: %s", pod.name, e)
             return None
-        self._listings[pod.uid] = _Listing(set(names), time.monotonic())
-        return names
+        self._listings[pod.uid] = _Listing(set(inventory.names), time.monotonic(), inventory.capacity)
+        return self._listings[pod.uid].names
 
     async def unload_name(self, pod: Pod, name: str) -> bool:
         """Unload an adapter no DynamoModel stands for (an orphan); True when it is gone."""
@@ -181,13 +193,7 @@ class Reconciler:
             cached = self._listings.get(pod.uid)
             if cached and time.monotonic() - cached.fetched < self.listing_ttl:
                 return cached.names
-            try:
-                names = await self.client.list(pod.address(self.port))
-            except WorkerError as e:
-                log.warning("cannot list adapters on pod %s: %s", pod.name, e)
-                return None
-            self._listings[pod.uid] = _Listing(names, time.monotonic())
-            return names
+            return await self._fetch_listing(pod)
 
     def _note(self, pod: Pod, name: str, uri: str | None) -> None:
         listing = self._listings.get(pod.uid)
@@ -233,10 +239,8 @@ class Reconciler:
             return Result(st.render(obs.observe(st.SYNCING, cond), model.status), source.requeue)
 
         ready_pods = sorted(p for p in pods if p.ready and p.ip)
-        by_name = {p.name: p for p in ready_pods}
-        placement = [by_name[n] for n in place(model.model_name, by_name, model.replicas or self.default_replicas)]
-        self._count_churn(model, [p.name for p in placement])
-        if not placement:
+        if not ready_pods:
+            self._count_churn(model, [])
             cond = st.Condition(
                 "EndpointsReady", False, st.NO_WORKERS, f"no Ready worker pod serves {model.base_model_name}"
             )
@@ -244,6 +248,15 @@ class Reconciler:
 
         live = sorted(p for p in pods if (p.ready or p.serving) and p.ip)  # terminating pods still serve
         listings = dict(zip(live, await asyncio.gather(*(self.listing(p) for p in live)), strict=True))
+        replicas = model.replicas or self.default_replicas
+        placement = self._place(model.model_name, ready_pods, replicas, listings)
+        self._count_churn(model, [p.name for p in placement])
+        short = min(replicas, len(ready_pods)) - len(placement)  # replicas no pod has room for
+        if not placement:
+            cond = st.Condition(
+                "EndpointsReady", False, st.INSUFFICIENT_CAPACITY, f"all {len(ready_pods)} Ready pod(s) are full"
+            )
+            return self._done(model, obs.observe(st.PENDING, cond), ok=False)
         holding = {p for p in live if model.model_name in (listings[p] or ())}
         to_load = [p for p in placement if self._needs_load(model, p, target, listings[p])]
         leavers = [p for p in live if p in holding and p not in placement]
@@ -276,6 +289,8 @@ class Reconciler:
                 return self._done(model, obs.observe(st.FAILED, failure, endpoints, placed), ok=True)
             ready = len(placement) - len(errors)
             reason = st.PARTIALLY_LOADED if ready else st.LOAD_FAILED
+            if all(e.full for e in errors.values()):
+                reason = st.INSUFFICIENT_CAPACITY
             detail = "; ".join(f"{n}: {e}" for n, e in sorted(errors.items()))
             cond = st.Condition("EndpointsReady", False, reason, f"{ready}/{len(placement)} loaded; {detail}")
             return self._done(model, obs.observe(st.DEGRADED, cond, endpoints, placed), ok=False)
@@ -287,13 +302,17 @@ class Reconciler:
         if failure is not None:
             obs.degraded = st.Condition("Degraded", True, st.SWAP_FAILED, failure.message)
             observed = obs.observe(st.DEGRADED, cond, endpoints, names)
+        elif short:
+            message = f"placed {len(placement)} of {replicas} replicas: the other Ready pods are full"
+            obs.degraded = st.Condition("Degraded", True, st.INSUFFICIENT_CAPACITY, message)
+            observed = obs.observe(st.DEGRADED, cond, endpoints, names)
         elif source.pending:
             observed = obs.observe(st.SYNCING, cond, endpoints, names)
         else:
             observed = obs.observe(st.READY, cond, endpoints, names)
         requeue = await self._unload_leavers(model, names, target, leavers)
-        result = self._done(model, observed, ok=True)
-        result.requeue_after = _earliest(source.requeue, requeue)
+        result = self._done(model, observed, ok=not short)  # short: look again for room, with backoff
+        result.requeue_after = _earliest(result.requeue_after, source.requeue, requeue)
         return result
 
     async def _source(self, model: Model) -> _Source:
@@ -363,6 +382,8 @@ class Reconciler:
         try:
             await self.client.load(pod.address(self.port), model.model_name, uri)
         except WorkerError as e:
+            if e.full:
+                self._listings.pop(pod.uid, None)  # our view of its load was stale: list it again
             if not e.invalid:
                 self.emit(model, WARNING, "LoadFailed", f"loading {uri} on pod {pod.name} failed: {e}")
             return e
@@ -465,6 +486,25 @@ class Reconciler:
             n = self._failures[model.uid] = self._failures.get(model.uid, 0) + 1
             requeue = min(self.retry_max, self.retry_base * 2 ** (n - 1))
         return Result(st.render(observed, model.status), requeue_after=requeue)
+
+    def _place(
+        self, model_name: str, ready_pods: list[Pod], replicas: int, listings: Mapping[Pod, set[str] | None]
+    ) -> list[Pod]:
+        """The pods for ``model_name``: its HRW order, skipping full pods (see the module docstring)."""
+        others = {p.name: len((listings[p] or set()) - {model_name}) for p in ready_pods}
+        capacity = {p.name: (self._listings[p.uid].capacity if p.uid in self._listings else None) for p in ready_pods}
+        holding = {p.name for p in ready_pods if model_name in (listings[p] or ())}
+        total = sum(others.values()) + min(replicas, len(ready_pods))
+        bound = load_bound(total, len(ready_pods), self.balance_epsilon)
+
+        def has_room(pod: str) -> bool:
+            cap = capacity[pod]
+            if cap is not None and others[pod] >= cap:
+                return False
+            return pod in holding or others[pod] < bound  # never evicted for balance alone
+
+        by_name = {p.name: p for p in ready_pods}
+        return [by_name[n] for n in place_within(model_name, by_name, replicas, has_room)]
 
     def _count_churn(self, model: Model, placement: list[str]) -> None:
         before = set(model.status.get("placement") or [])

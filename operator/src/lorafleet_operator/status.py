@@ -35,6 +35,7 @@ PARTIALLY_LOADED = "PartiallyLoaded"
 LOAD_FAILED = "LoadFailed"
 ADAPTER_INVALID = "AdapterInvalid"
 WAITING_FOR_SYNC = "WaitingForSync"
+INSUFFICIENT_CAPACITY = "InsufficientCapacity"  # the Ready pods cannot hold (all replicas of) the adapter
 SWAP_FAILED = "SwapFailed"  # Degraded: the new version failed, the last good one keeps serving
 NOT_DEGRADED = "AsExpected"
 MODEL_NAME_CONFLICT = "ModelNameConflict"  # an older DynamoModel owns this modelName

@@ -1,4 +1,4 @@
-"""Client of the workers' management API (SPEC §3): load, unload, list.
+"""Client of the workers' management API (SPEC §3): load, unload, list (with the worker's capacity).
 
 Every call has a timeout and a bounded number of in-flight calls (one semaphore
 for the whole client); connection failures and 502/503/504 are retried a few
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -35,6 +36,19 @@ class WorkerError(Exception):
     def invalid(self) -> bool:
         """The worker rejected the adapter itself (HTTP 400): retrying cannot help."""
         return self.status == 400
+
+    @property
+    def full(self) -> bool:
+        """The worker holds as many adapters as it can (HTTP 507, ``--max-loaded-loras``)."""
+        return self.status == 507
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What ``GET /v1/loras`` says: the adapters a worker holds and how many it can hold."""
+
+    names: set[str]
+    capacity: int | None  # None: unlimited, or a worker that does not report it
 
 
 class WorkerClient:
@@ -87,11 +101,15 @@ class WorkerClient:
 
     async def list(self, address: str) -> set[str]:
         """GET /v1/loras: the names of the adapters the worker holds."""
+        return (await self.inventory(address)).names
+
+    async def inventory(self, address: str) -> Inventory:
+        """GET /v1/loras: the adapters the worker holds and its ``capacity`` (lorafleet extension)."""
         data = await self._call("list", "GET", address, "/v1/loras", self._call_timeout)
-        loras = data.get("loras")
-        if not isinstance(loras, dict):
+        loras, capacity = data.get("loras"), data.get("capacity")
+        if not isinstance(loras, dict) or not (capacity is None or (isinstance(capacity, int) and capacity >= 0)):
             raise WorkerError(None, f"malformed GET /v1/loras answer from {address}")
-        return set(loras)
+        return Inventory(set(loras), capacity)
 
     async def _call(self, op: str, method: str, address: str, path: str, timeout: float, **kw: Any) -> dict[str, Any]:
         url = yarl.URL(address.rstrip("/") + path, encoded=True)

@@ -29,7 +29,9 @@ def build_management_app(service: WorkerService) -> FastAPI:
     async def list_loras(authorization: str | None = Header(default=None)) -> dict[str, Any]:
         service.check_admin(authorization)
         loras = service.loras()
-        return {"status": "success", "loras": loras, "count": len(loras)}
+        # lorafleet extension: "capacity" is --max-loaded-loras (null: unlimited); the operator
+        # never places more adapters on this worker than that
+        return {"status": "success", "loras": loras, "count": len(loras), "capacity": service.capacity()}
 
     @app.delete("/v1/loras/{lora_name:path}")
     async def unload_lora(lora_name: str, authorization: str | None = Header(default=None)) -> dict[str, Any]:

@@ -189,6 +189,10 @@ class WorkerService:
     def loras(self) -> dict[str, int]:
         return {name: lora_id(name) for name in sorted(self._loaded)}
 
+    def capacity(self) -> int | None:
+        """How many adapters this worker can hold at once (``--max-loaded-loras``; None: unlimited)."""
+        return self.settings.max_loaded_loras
+
     def adapter_uris(self) -> dict[str, str]:
         """Loaded adapters and the URIs they came from."""
         return dict(sorted(self._loaded.items()))
