@@ -101,8 +101,10 @@ def job_complete(job: dict[str, object]) -> bool:
 
 def test_sync_jobs_run_restricted_in_every_watched_namespace(release: Release, team: str) -> None:
     cluster = release.cluster
-    for ns in (release.namespace, team):
-        cluster.kubectl("-n", ns, "apply", "-f", "-", input=manifest("restricted", "restricted-lora", HF_URI))
+    # Served names are unique across the watched namespaces (the older DynamoModel owns a name), so
+    # the second namespace serves the adapter under a name of its own.
+    for ns, served in ((release.namespace, "restricted-lora"), (team, "team-lora")):
+        cluster.kubectl("-n", ns, "apply", "-f", "-", input=manifest("restricted", served, HF_URI))
     # The release namespace has the worker: the adapter is synced, loaded and served.
     release.wait_ready("restricted", total=1)
     # The other namespace has no worker: the sync must still complete there (a restricted Job pod
