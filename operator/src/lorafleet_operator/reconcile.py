@@ -13,8 +13,9 @@ One pass:
    400), the last good version (``status.servedUri``): a failed hot swap keeps serving.
 3. placement = the first ``replicas`` Ready pods in HRW order that have room (bounded loads,
    ``placement.place_within``): a pod is full at the capacity its ``GET /v1/loras`` reports
-   (``--max-loaded-loras``) or, for a pod that does not hold the adapter yet, at the balance
-   bound ``ceil((1 + epsilon) * adapters / pods)`` over the observed listings. Adapters that
+   (``--max-loaded-loras``) and, only when ``balance_epsilon`` is set (off by default: the
+   bound depends on the observed listings, so placements would depend on history), for a pod
+   that does not hold the adapter yet, at ``ceil((1 + epsilon) * adapters / pods)``. Adapters that
    do not fit (or get a worker's 507) show ``InsufficientCapacity`` and are retried with backoff.
 4. load the target on every placed pod whose ``GET /v1/loras`` lacks the adapter or that holds
    another URI (hot swap); listings are cached per pod for ``listing_ttl`` (the drift pass
@@ -42,7 +43,7 @@ from lorafleet_sync.uris import HfURI, URIError, is_commit_sha, parse_uri
 from lorafleet_operator import metrics
 from lorafleet_operator import status as st
 from lorafleet_operator.ledger import Ledger, MemoryLedger
-from lorafleet_operator.placement import DEFAULT_EPSILON, load_bound, place_within
+from lorafleet_operator.placement import load_bound, place_within
 from lorafleet_operator.resources import Model, Pod
 from lorafleet_operator.workers import WorkerClient, WorkerError
 
@@ -115,7 +116,7 @@ class Reconciler:
         retry_base: float = 1.0,
         retry_max: float = 60.0,
         unload_grace: float = 5.0,
-        balance_epsilon: float = DEFAULT_EPSILON,
+        balance_epsilon: float | None = None,
     ) -> None:
         self.client = client
         self.default_replicas = default_replicas
@@ -495,13 +496,13 @@ class Reconciler:
         capacity = {p.name: (self._listings[p.uid].capacity if p.uid in self._listings else None) for p in ready_pods}
         holding = {p.name for p in ready_pods if model_name in (listings[p] or ())}
         total = sum(others.values()) + min(replicas, len(ready_pods))
-        bound = load_bound(total, len(ready_pods), self.balance_epsilon)
+        bound = None if self.balance_epsilon is None else load_bound(total, len(ready_pods), self.balance_epsilon)
 
         def has_room(pod: str) -> bool:
             cap = capacity[pod]
             if cap is not None and others[pod] >= cap:
                 return False
-            return pod in holding or others[pod] < bound  # never evicted for balance alone
+            return bound is None or pod in holding or others[pod] < bound  # never evicted for balance alone
 
         by_name = {p.name: p for p in ready_pods}
         return [by_name[n] for n in place_within(model_name, by_name, replicas, has_room)]
