@@ -8,16 +8,15 @@ Greedy decoding, so the same question gives the same answer every run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import tempfile
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+from lorafleet_worker.demo import run_in_workdir
 
 from demo.adapter_data import DEMO_QUESTIONS, STYLES
 from demo.real_model import SERVED_NAME, prepare_model
@@ -104,14 +103,11 @@ def describe(adapter: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--workdir", type=Path, help="where the worker's log and cache go (default: a temp dir)")
-    args = parser.parse_args(argv)
-    if args.workdir is not None:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        return run_single_worker(args.workdir.resolve())
-    with tempfile.TemporaryDirectory(prefix="lorafleet-demo-real-") as tmp:
-        return run_single_worker(Path(tmp))
+    description = __doc__.splitlines()[0] if __doc__ else None
+    return run_in_workdir(
+        run_single_worker, argv, description=description, workdir_help="where the worker's log and cache go",
+        prefix="lorafleet-demo-real-",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

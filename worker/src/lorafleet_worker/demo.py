@@ -19,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -185,15 +185,26 @@ def run_demo(workdir: Path) -> int:
         stop_worker(proc)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--workdir", type=Path, help="where to write the model, adapters and log (default: a temp dir)")
+def run_in_workdir(
+    run: Callable[[Path], int], argv: Sequence[str] | None, *, description: str | None, workdir_help: str, prefix: str
+) -> int:
+    """A demo's command line: `--workdir DIR` (created if missing), else a temporary directory."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--workdir", type=Path, help=f"{workdir_help} (default: a temp dir)")
     args = parser.parse_args(argv)
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
-        return run_demo(args.workdir.resolve())
-    with tempfile.TemporaryDirectory(prefix="lorafleet-demo-") as tmp:
-        return run_demo(Path(tmp))
+        return run(args.workdir.resolve())
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        return run(Path(tmp))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    description = __doc__.splitlines()[0] if __doc__ else None
+    return run_in_workdir(
+        run_demo, argv, description=description, workdir_help="where to write the model, adapters and log",
+        prefix="lorafleet-demo-",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
