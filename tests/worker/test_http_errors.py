@@ -259,3 +259,64 @@ def test_failed_hot_swap_keeps_the_old_adapter(shared_worker: Worker, good_adapt
     after = shared_worker.complete("err-swap", "Hello", max_tokens=4, ignore_eos=True)["choices"][0]["text"]
     assert after == before
     shared_worker.unload("err-swap")
+
+
+# --- management bodies: every field has its effect ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"lora_name": "err-extra", "source": {"uri": "file:///x"}, "priority": 1}, "priority"),
+        ({"lora_name": "err-extra", "source": {"uri": "file:///x", "revision": "main"}}, "source.revision"),
+    ],
+)
+def test_unknown_management_field_is_refused_naming_it(shared_worker: Worker, body: dict[str, Any], field: str) -> None:
+    r = httpx.post(f"{shared_worker.system_url}/v1/loras", json=body, headers=shared_worker.admin_headers())
+    assert r.status_code == 400 and r.json()["status"] == "error"
+    assert f"{field}: unsupported field" in r.json()["message"]
+    r = httpx.post(
+        f"{shared_worker.url}/v1/load_lora_adapter",
+        json={"lora_name": "err-extra", "lora_path": "/x", "base_model_name": "tiny-llama"},
+        headers=shared_worker.admin_headers(),
+    )
+    assert "base_model_name: unsupported field" in _openai_error(r, 400)
+    assert "err-extra" not in shared_worker.loras()
+
+
+def test_vllm_load_inplace_decides_whether_a_loaded_name_is_replaced(
+    shared_worker: Worker, good_adapter: Path, tiny_models: Any, tiny_adapter_factory: Any
+) -> None:
+    first = _variant(shared_worker, good_adapter, "inplace-a")
+    second = _variant(shared_worker, tiny_adapter_factory(tiny_models["llama"], rank=8, seed=32), "inplace-b")
+
+    def load(path: Path, **extra: Any) -> httpx.Response:
+        body = {"lora_name": "inplace", "lora_path": str(path), **extra}
+        return httpx.post(
+            f"{shared_worker.url}/v1/load_lora_adapter", json=body, headers=shared_worker.admin_headers(), timeout=120
+        )
+
+    assert load(first).status_code == 200
+    before = shared_worker.complete("inplace", "Hello", max_tokens=4)["choices"][0]["text"]
+    assert load(first).status_code == 200  # the same path again: a no-op
+    message = _openai_error(load(second), 400)
+    assert "already loaded" in message and "load_inplace" in message
+    assert shared_worker.complete("inplace", "Hello", max_tokens=4)["choices"][0]["text"] == before
+    r = load(second, load_inplace=True)
+    assert r.status_code == 200 and "swapped" in r.json()["message"]
+    swapped = {"lora_name": "inplace", "source": {"uri": f"file://{second}"}}
+    assert (
+        httpx.post(
+            f"{shared_worker.system_url}/v1/loras", json=swapped, headers=shared_worker.admin_headers(), timeout=120
+        )
+        .json()["message"]
+        .endswith("already loaded")
+    )
+    shared_worker.unload("inplace")
+
+
+def test_metrics_carry_no_created_samples(shared_worker: Worker) -> None:
+    shared_worker.complete("tiny-llama", "Hello", max_tokens=2)
+    samples = shared_worker.metrics()
+    assert any(key.startswith("vllm:prompt_tokens_total") for key in samples)
+    assert not [key for key in samples if key.split("{")[0].endswith("_created")]

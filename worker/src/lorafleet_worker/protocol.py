@@ -75,7 +75,9 @@ def management_error_body(err: APIError) -> dict[str, Any]:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Management bodies: any field not declared is refused with 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class LoraSource(_Body):
@@ -94,6 +96,9 @@ class VllmLoadLoraRequest(_Body):
 
     lora_name: str
     lora_path: str = Field(min_length=1)
+    # vLLM: replace an adapter already loaded under this name (a hot swap); without it, loading another
+    # path under a loaded name is refused (the same path is a no-op, unlike vLLM's "already loaded" 400)
+    load_inplace: bool = False
 
 
 class VllmUnloadLoraRequest(_Body):

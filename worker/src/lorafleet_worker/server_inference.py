@@ -402,7 +402,8 @@ def build_inference_app(service: WorkerService) -> FastAPI:
         body: VllmLoadLoraRequest, authorization: str | None = Header(default=None)
     ) -> dict[str, Any]:
         service.check_admin(authorization)
-        return success_body(await service.load_adapter(body.lora_name, path_to_uri(body.lora_path)))
+        uri = path_to_uri(body.lora_path)
+        return success_body(await service.load_adapter(body.lora_name, uri, replace=body.load_inplace))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(

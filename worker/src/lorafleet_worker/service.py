@@ -211,8 +211,11 @@ class WorkerService:
             return model
         raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
-    async def load_adapter(self, name: str, uri: str) -> LoadResult:
-        """Load `uri` as `name`: idempotent for the same URI, a hot swap for a different one."""
+    async def load_adapter(self, name: str, uri: str, *, replace: bool = True) -> LoadResult:
+        """Load `uri` as `name`: idempotent for the same URI, a hot swap for a different one.
+
+        With `replace=False` (vLLM's `load_inplace: false`) a different URI under a loaded name is refused.
+        """
         check_lora_name(name)
         if name == self.model_name:
             raise APIError(400, f"lora_name {name!r} is the base model's name")
@@ -224,6 +227,12 @@ class WorkerService:
             previous = self._loaded.get(name)
             if previous == uri:
                 return LoadResult(name, lora_id(name), f"LoRA adapter '{name}' already loaded")
+            if previous is not None and not replace:
+                raise APIError(
+                    400,
+                    f"LoRA adapter '{name}' is already loaded from {previous}; set load_inplace: true to replace it",
+                    param="load_inplace",
+                )
             try:
                 path = await self._fetch(uri)
                 await self._add_to_engine(engine, name, path, replace=previous is not None)
