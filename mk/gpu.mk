@@ -1,5 +1,5 @@
 # GPU path (issue 6): Triton kernel benchmark. Needs a CUDA device; --dry-run checks the script on CPU.
-.PHONY: bench-gpu bench-gpu-dry-run test-kernels gpu-check
+.PHONY: bench-gpu bench-gpu-dry-run test-kernels gpu-check gpu-check-bare gpu-check-run
 GPU_CHECK_DIR ?= bench/gpu-check
 
 bench-gpu: setup-python  ## Triton kernels vs torch (GB/s, FLOP/s, % of peak) + e2e multi-LoRA decode tok/s (CUDA)
@@ -11,7 +11,15 @@ bench-gpu-dry-run: setup-python  ## bench-gpu on CPU under the Triton interprete
 test-kernels: setup-python  ## Triton kernel tests (interpreter on CPU; compiled on a GPU); LORAFLEET_GPU_LARGE=1 adds large shapes
 	$(PY) -m pytest tests/kernels $(PYTEST_ARGS)
 
-gpu-check: setup-python  ## on a CUDA machine: every GPU test (a skip fails) and bench-gpu; results in $(GPU_CHECK_DIR)/
+gpu-check: setup-python gpu-check-run  ## on a CUDA machine: every GPU test (a skip fails) and bench-gpu; results in $(GPU_CHECK_DIR)/
+
+# A bare GPU machine (CUDA torch, Triton, transformers, peft, pytest preinstalled; no venv, no network):
+# the system python with the sources on PYTHONPATH. pytest-asyncio must be importable (carry its wheel).
+gpu-check-bare:  ## gpu-check with the system python3 and the sources on PYTHONPATH (no setup, no network)
+	PYTHONPATH=$(CURDIR):$(CURDIR)/worker/src:$(CURDIR)/jobs/src$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(MAKE) gpu-check-run PY=python3
+
+gpu-check-run:
 	mkdir -p $(GPU_CHECK_DIR)
 	set -o pipefail; LORAFLEET_REQUIRE_GPU=1 LORAFLEET_GPU_LARGE=1 $(PY) -m pytest tests/kernels -v -rA \
 		--junitxml=$(GPU_CHECK_DIR)/tests.xml $(PYTEST_ARGS) 2>&1 | tee $(GPU_CHECK_DIR)/tests.log
