@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import tarfile
 import tomllib
 from pathlib import Path
@@ -587,3 +588,20 @@ def test_works_as_a_dependency_of_an_umbrella_chart(tmp_path: Path) -> None:
     assert router["spec"]["replicas"] == 2
     assert router["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "org-registry"}]
     assert one(docs, "Role", "lorafleet-operator")["metadata"]["namespace"] == "infra"
+
+
+@pytest.mark.parametrize(
+    ("worker_image", "serving", "generator"),
+    [
+        ({}, r"lorafleet/worker:\d[^@]*$", r"lorafleet/worker:\d[^@]*-dev$"),
+        ({"tag": "1.0-dev"}, "lorafleet/worker:1.0-dev", "lorafleet/worker:1.0-dev"),
+        ({"tag": "1.0", "digest": "sha256:" + "b" * 64}, "lorafleet/worker:1.0@sha256:b{64}", "lorafleet/worker:1.0-dev"),
+    ],
+)
+def test_tiny_model_generator_runs_the_dev_variant(worker_image: dict[str, str], serving: str, generator: str) -> None:
+    """transformers (the generator's need) is only in the -dev image; the worker itself keeps the image as set."""
+    values = {"image": {"worker": worker_image}, "workers": [{"name": "g", "baseModelName": "m", "model": TINY}]}
+    spec = worker_pod(template(values))["spec"]
+    (init,) = spec["initContainers"]
+    assert init["name"] == "make-tiny-model" and re.fullmatch(f"(.*/)?{generator}", init["image"]), init["image"]
+    assert re.fullmatch(f"(.*/)?{serving}", spec["containers"][0]["image"]), spec["containers"][0]["image"]
