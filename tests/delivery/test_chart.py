@@ -595,7 +595,11 @@ def test_works_as_a_dependency_of_an_umbrella_chart(tmp_path: Path) -> None:
     [
         ({}, r"lorafleet/worker:\d[^@]*$", r"lorafleet/worker:\d[^@]*-dev$"),
         ({"tag": "1.0-dev"}, "lorafleet/worker:1.0-dev", "lorafleet/worker:1.0-dev"),
-        ({"tag": "1.0", "digest": "sha256:" + "b" * 64}, "lorafleet/worker:1.0@sha256:b{64}", "lorafleet/worker:1.0-dev"),
+        (
+            {"tag": "1.0", "digest": "sha256:" + "b" * 64},
+            "lorafleet/worker:1.0@sha256:b{64}",
+            "lorafleet/worker:1.0-dev",
+        ),
     ],
 )
 def test_tiny_model_generator_runs_the_dev_variant(worker_image: dict[str, str], serving: str, generator: str) -> None:
