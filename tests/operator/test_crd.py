@@ -53,9 +53,12 @@ def test_names_scope_and_version(crd: dict[str, Any]) -> None:
 
 
 def test_printer_columns(crd: dict[str, Any]) -> None:
-    columns = {c["name"]: c["jsonPath"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
+    all_columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+    columns = {c["name"]: c["jsonPath"] for c in all_columns if not c.get("priority")}
     assert list(columns) == ["BaseModel", "Type", "Phase", "Ready", "Total", "Age"]
     assert columns["Ready"] == ".status.readyEndpoints" and columns["Total"] == ".status.totalEndpoints"
+    wide = {c["name"]: c["jsonPath"] for c in all_columns if c.get("priority") == 1}  # kubectl get dm -o wide
+    assert wide == {"Desired": ".status.desiredReplicas", "Current": ".status.currentReplicas"}
 
 
 def test_every_field_is_documented_and_structural(crd: dict[str, Any]) -> None:
@@ -71,7 +74,7 @@ def test_spec_validation_rules(crd: dict[str, Any]) -> None:
     spec = schema(crd)["properties"]["spec"]
     props = spec["properties"]
     assert spec["required"] == ["modelName", "baseModelName"]
-    assert set(props) == {"modelName", "baseModelName", "modelType", "source", "replicas"}
+    assert set(props) == {"modelName", "baseModelName", "modelType", "source", "replicas", "autoscaling"}
     assert props["modelType"]["enum"] == ["base", "lora", "adapter"] and props["modelType"]["default"] == "base"
     for field in ("baseModelName", "modelType"):
         assert {"rule": "self == oldSelf", "message": f"{field} is immutable"} in props[field][
@@ -122,3 +125,16 @@ def test_dynamo_status_fields_first(crd: dict[str, Any]) -> None:
     status = list(schema(crd)["properties"]["status"]["properties"])
     assert status[:5] == ["endpoints", "readyEndpoints", "loraFallbackCoveredEndpoints", "totalEndpoints", "conditions"]
     assert {"observedGeneration", "phase", "placement", "resolvedUri", "revision", "syncJob"} <= set(status)
+
+
+def test_autoscaling_schema(crd: dict[str, Any]) -> None:
+    spec = schema(crd)["properties"]["spec"]
+    auto = spec["properties"]["autoscaling"]
+    assert auto["required"] == ["maxReplicas", "target"]
+    assert auto["properties"]["minReplicas"]["default"] == 1 and auto["properties"]["minReplicas"]["minimum"] == 1
+    assert auto["properties"]["maxReplicas"]["minimum"] == 1
+    assert auto["properties"]["target"]["type"] == "number" and auto["properties"]["target"]["exclusiveMinimum"]
+    assert any("self.minReplicas <= self.maxReplicas" in r["rule"] for r in auto["x-kubernetes-validations"])
+    assert any(r["rule"] == "!has(self.replicas) || !has(self.autoscaling)" for r in spec["x-kubernetes-validations"])
+    status = schema(crd)["properties"]["status"]["properties"]
+    assert status["desiredReplicas"]["type"] == status["currentReplicas"]["type"] == "integer"

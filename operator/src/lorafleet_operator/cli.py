@@ -21,6 +21,7 @@ ROUTER_FLAGS = (
     "router_timeout",
     "bind_host",
     "router_unavailable_wait",
+    "demand_window",
 )
 
 
@@ -63,6 +64,7 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
     from lorafleet_sync.hf import HfSettings
 
     from lorafleet_operator import bootstrap_secrets, handlers, metrics
+    from lorafleet_operator.autoscale import Autoscaler
     from lorafleet_operator.kube import EventPoster, KubeClient
     from lorafleet_operator.leader import LEASE_NAME, LeaderElector, run_as_leader, standby_liveness
     from lorafleet_operator.ledger import ConfigMapLedger
@@ -98,6 +100,7 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
             retry_base=settings.retry_base,
             retry_max=settings.retry_max,
             unload_grace=settings.unload_grace,
+            autoscaler=Autoscaler(cooldown=settings.autoscale_cooldown),
         )
         runtime = handlers.Runtime(settings, reconciler, handlers.kube_status_writer(kube))
         liveness = f"http://{settings.bind_host}:{settings.liveness_port}/healthz" if settings.liveness_port else None

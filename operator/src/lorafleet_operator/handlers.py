@@ -31,6 +31,7 @@ from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL
 
 from lorafleet_operator import metrics
 from lorafleet_operator import status as st
+from lorafleet_operator.autoscale import RouterDemand, autoscale_pass
 from lorafleet_operator.drift import drift_pass
 from lorafleet_operator.kube import EventPoster, KubeClient, collection_path
 from lorafleet_operator.placement import takes
@@ -148,7 +149,7 @@ class Runtime:
     def _requeue_taken_by(self, pod: Pod) -> None:
         """A pod joined: only the models whose top-``replicas`` set it enters move."""
         for key, model in self._lora_models(pod.namespace, pod.base_hash):
-            replicas = model.replicas or self.settings.default_replicas
+            replicas, _ = self.reconciler.replicas_for(model)
             if takes(model.model_name, model.status.get("placement") or [], replicas, pod.name):
                 self.queue.add(key)
         for key, model in self.parsed.items():
@@ -177,6 +178,8 @@ class Runtime:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._work()) for _ in range(self.settings.reconcile_workers)]
         self.spawn(self._drift())
+        if self.settings.demand_urls:
+            self.spawn(self._autoscale(RouterDemand(self.settings.demand_urls)))
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run a background task for the runtime's lifetime (cancelled by ``stop``)."""
@@ -198,6 +201,18 @@ class Runtime:
                 await self.drift()
             except Exception:
                 log.exception("drift pass failed")
+
+    async def _autoscale(self, demand: RouterDemand) -> None:
+        """Every ``autoscale_interval``: read the routers' demand, re-queue autoscaled models whose count changed."""
+        try:
+            while True:
+                await asyncio.sleep(self.settings.autoscale_interval)
+                try:
+                    await autoscale_pass(self.reconciler.autoscaler, list(self.parsed.items()), demand, self.queue.add)
+                except Exception:
+                    log.exception("autoscale pass failed")
+        finally:
+            await demand.close()
 
     async def drift(self) -> None:
         """One drift pass over every Ready worker pod (see ``drift.drift_pass``)."""

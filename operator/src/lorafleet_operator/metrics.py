@@ -28,3 +28,14 @@ def serve(port: int, host: str = "0.0.0.0") -> None:
     """Expose /metrics on ``port`` (0 = don't)."""
     if port:
         start_http_server(port, addr=host)
+
+
+ROUTER_ADAPTER_INFLIGHT = Gauge(
+    "lorafleet_router_adapter_inflight", "Requests in flight to workers through this router, per adapter", ["adapter"]
+)
+ROUTER_ADAPTER_QUEUED = Gauge(
+    "lorafleet_router_adapter_queued", "Requests waiting in this router for a ready endpoint, per adapter", ["adapter"]
+)
+ROUTER_ADAPTER_REQUESTS = Counter(
+    "lorafleet_router_adapter_requests_total", "Requests for each adapter through this router", ["adapter"]
+)

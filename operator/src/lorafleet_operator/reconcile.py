@@ -42,6 +42,7 @@ from lorafleet_sync.uris import HfURI, URIError, is_commit_sha, parse_uri
 
 from lorafleet_operator import metrics
 from lorafleet_operator import status as st
+from lorafleet_operator.autoscale import LIMITED_BY_CAPACITY, Autoscaler, Decision
 from lorafleet_operator.ledger import Ledger, MemoryLedger
 from lorafleet_operator.placement import load_bound, place_within
 from lorafleet_operator.resources import Model, Pod
@@ -117,6 +118,7 @@ class Reconciler:
         retry_max: float = 60.0,
         unload_grace: float = 5.0,
         balance_epsilon: float | None = None,
+        autoscaler: Autoscaler | None = None,
     ) -> None:
         self.client = client
         self.default_replicas = default_replicas
@@ -129,6 +131,7 @@ class Reconciler:
         self.retry_max = retry_max
         self.unload_grace = unload_grace
         self.balance_epsilon = balance_epsilon
+        self.autoscaler = autoscaler or Autoscaler()
         self._listings: dict[str, _Listing] = {}
         self._listing_locks: dict[str, asyncio.Lock] = {}
         self._loaded: dict[tuple[str, str], str] = {}  # (pod uid, lora name) -> URI we loaded / adopted
@@ -180,6 +183,7 @@ class Reconciler:
         self._invalid.pop(model.uid, None)
         self._failures.pop(model.uid, None)
         self._settled.pop(model.uid, None)
+        self.autoscaler.forget(model.uid)
         if not keep_loaded:
             for key in [k for k in self._loaded if k[1] == model.model_name]:
                 del self._loaded[key]
@@ -231,6 +235,8 @@ class Reconciler:
         target = source.uri if failure is None and not source.pending else served
         resolved = source.uri or (model.status.get("resolvedUri") if source.pending else None)
         obs = _Observed(model, source.synced, resolved, source.revision, source.job, served)
+        replicas, scaling = self.replicas_for(model)
+        obs.scale(replicas, scaling)
         if target is None:
             if failure is not None:
                 result = self._done(model, obs.observe(st.FAILED, failure), ok=True)
@@ -249,10 +255,12 @@ class Reconciler:
 
         live = sorted(p for p in pods if (p.ready or p.serving) and p.ip)  # terminating pods still serve
         listings = dict(zip(live, await asyncio.gather(*(self.listing(p) for p in live)), strict=True))
-        replicas = model.replicas or self.default_replicas
         placement = self._place(model.model_name, ready_pods, replicas, listings)
         self._count_churn(model, [p.name for p in placement])
         short = min(replicas, len(ready_pods)) - len(placement)  # replicas no pod has room for
+        if scaling is not None and short > 0:  # autoscaled: only short of minReplicas is Degraded
+            obs.scale(replicas, Decision(replicas, LIMITED_BY_CAPACITY, f"{scaling.message}; the other pods are full"))
+            short = max(0, min(self.autoscaler.floor(model), len(ready_pods)) - len(placement))
         if not placement:
             cond = st.Condition(
                 "EndpointsReady", False, st.INSUFFICIENT_CAPACITY, f"all {len(ready_pods)} Ready pod(s) are full"
@@ -436,6 +444,14 @@ class Reconciler:
         return unloaded
 
     # ---- helpers -----------------------------------------------------------------------
+    def replicas_for(self, model: Model) -> tuple[int, Decision | None]:
+        """How many pods ``model`` wants: the autoscaler's count (``spec.autoscaling``), else
+        ``spec.replicas``, else the default; with the autoscaler's last decision (None when fixed)."""
+        scaled = self.autoscaler.replicas(model)
+        if scaled is not None:
+            return scaled
+        return model.replicas or self.default_replicas, None
+
     def _known_invalid(self, model: Model, uri: str) -> str | None:
         """The worker's message if ``uri`` was already rejected as invalid for this model."""
         memo = self._invalid.get(model.uid)
@@ -526,6 +542,13 @@ class _Observed:
     served: str | None
     degraded: st.Condition = st.NOT_DEGRADED_CONDITION
     routable: bool = False
+    desired: int | None = None  # autoscaled models: the wanted replicas
+    scaling: st.Condition | None = None  # autoscaled models: why
+
+    def scale(self, replicas: int, decision: Decision | None) -> None:
+        if decision is not None:
+            self.desired = replicas
+            self.scaling = st.Condition("Autoscaling", True, decision.reason, decision.message)
 
     def observe(
         self,
@@ -547,6 +570,8 @@ class _Observed:
             degraded=self.degraded,
             served_uri=self.served,
             routable=self.routable,
+            desired_replicas=self.desired,
+            scaling=self.scaling,
         )
 
     @staticmethod

@@ -66,6 +66,7 @@ class Model:
     model_type: str = "base"
     uri: str | None = None
     replicas: int | None = None
+    autoscaling: Mapping[str, Any] | None = None  # spec.autoscaling (lorafleet extension)
     status: Mapping[str, Any] = field(default_factory=dict)
     deleting: bool = False
     created: str = ""  # metadata.creationTimestamp (RFC 3339, sorts chronologically)
@@ -83,6 +84,7 @@ class Model:
             model_type=str(spec.get("modelType") or "base").lower(),
             uri=(spec.get("source") or {}).get("uri"),
             replicas=spec.get("replicas"),
+            autoscaling=spec.get("autoscaling") or None,
             status=dict(body.get("status") or {}),
             deleting=bool(meta.get("deletionTimestamp")),
             created=str(meta.get("creationTimestamp") or ""),

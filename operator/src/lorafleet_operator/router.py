@@ -33,6 +33,7 @@ from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lorafleet_operator import metrics
+from lorafleet_operator.demand import DemandTracker
 from lorafleet_operator.resources import Model, Pod
 from lorafleet_operator.settings import Settings
 
@@ -138,10 +139,17 @@ def openai_error(status: int, message: str, code: str, err_type: str = "invalid_
 class Router:
     """The aiohttp application: proxying with least-in-flight choice and pre-first-byte retries."""
 
-    def __init__(self, table: RoutingTable, timeout: float = 600.0, unavailable_wait: float = 30.0) -> None:
+    def __init__(
+        self,
+        table: RoutingTable,
+        timeout: float = 600.0,
+        unavailable_wait: float = 30.0,
+        demand: DemandTracker | None = None,
+    ) -> None:
         self.table = table
         self.timeout = timeout
         self.unavailable_wait = unavailable_wait
+        self.demand = demand or DemandTracker()
         self.inflight: defaultdict[str, int] = defaultdict(int)
         self._session: aiohttp.ClientSession | None = None
 
@@ -153,6 +161,7 @@ class Router:
                 web.get("/health", self.health),
                 web.get("/healthz", self.health),
                 web.get("/metrics", self.metrics),
+                web.get("/demand", self.demand_report),
                 web.post("/v1/{path:.*}", self.proxy),
             ]
         )
@@ -176,6 +185,9 @@ class Router:
 
     async def metrics(self, _request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def demand_report(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.demand.report())
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": self.table.listing()})
@@ -202,10 +214,38 @@ class Router:
             metrics.ROUTER_REQUESTS.labels("unknown", "404").inc()
             return openai_error(404, f"The model `{name}` does not exist.", "model_not_found")
         kind, endpoints = resolved
+        model = self.table.adapter(name) if kind == "adapter" else None
+        if model is None:
+            return await self._forward(request, raw, name, kind, endpoints, None)
+        key = (model.namespace, model.name, model.model_name)
+        self.demand.arrive(key)
+        state = {"dispatched": False}
+        try:
+            return await self._forward(request, raw, name, kind, endpoints, model, key, state)
+        finally:
+            self.demand.finish(key, dispatched=state["dispatched"])
+
+    async def _forward(
+        self,
+        request: web.Request,
+        raw: bytes,
+        name: str,
+        kind: str,
+        endpoints: list[str],
+        model: Model | None,
+        key: tuple[str, str, str] | None = None,
+        state: dict[str, bool] | None = None,
+    ) -> web.StreamResponse:
+        """Send the request to a holder; ``key``/``state``: the adapter's demand accounting."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         tried: set[str] = set()
         last: tuple[int, bytes, str] | None = None
-        model = self.table.adapter(name) if kind == "adapter" else None
+
+        def sent(on: bool) -> None:
+            if key is not None and state is not None and state["dispatched"] != on:
+                (self.demand.dispatch if on else self.demand.requeue)(key)
+                state["dispatched"] = on
+
         failed = model is not None and model.status.get("phase") == "Failed"
         deadline = time.monotonic() + (0 if failed else self.unavailable_wait)
         while True:
@@ -224,16 +264,19 @@ class Router:
                 metrics.ROUTER_RETRIES.inc()
             self.inflight[endpoint] += 1
             metrics.ROUTER_INFLIGHT.inc()
+            sent(True)
             try:
                 upstream = await self._http().post(endpoint + request.path_qs, data=raw, headers=headers)
             except (aiohttp.ClientConnectionError, TimeoutError) as e:
                 log.info("endpoint %s failed before the first byte (%s); trying another", endpoint, e)
                 self._release(endpoint)
+                sent(False)
                 continue
             try:
                 if upstream.status in RETRY_STATUS:
                     last = (upstream.status, await upstream.read(), upstream.content_type)
                     if self.choose(endpoints, tried) is not None or kind == "adapter":
+                        sent(False)
                         continue
                 return await self._relay(request, upstream, kind)
             finally:
@@ -277,7 +320,8 @@ async def run_router(settings: Settings) -> None:
             Informer(kube, collection_path("", "v1", "pods", ns), table.on_pod, label_selector=BASE_MODEL_HASH_LABEL)
         )
     tasks = [asyncio.create_task(i.run()) for i in informers]
-    runner = web.AppRunner(Router(table, settings.router_timeout, settings.router_unavailable_wait).app())
+    demand = DemandTracker(settings.demand_window)
+    runner = web.AppRunner(Router(table, settings.router_timeout, settings.router_unavailable_wait, demand).app())
     await runner.setup()
     await web.TCPSite(runner, settings.bind_host, settings.router_port).start()
     log.info("router listening on %s:%d", settings.bind_host, settings.router_port)

@@ -67,6 +67,19 @@ class Settings:
     unload_grace: float = _opt(
         5.0, "LORAFLEET_UNLOAD_GRACE", "seconds the new placement is published before leavers are unloaded"
     )
+    demand_urls: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "env": "LORAFLEET_DEMAND_URLS",
+            "help": "routers' demand endpoints (http://ROUTER:8000/demand, comma list) for spec.autoscaling",
+        },
+    )
+    autoscale_interval: float = _opt(
+        15.0, "LORAFLEET_AUTOSCALE_INTERVAL", "seconds between demand polls of the routers (spec.autoscaling)"
+    )
+    autoscale_cooldown: float = _opt(
+        300.0, "LORAFLEET_AUTOSCALE_COOLDOWN", "seconds after a replica change before an autoscaled adapter shrinks"
+    )
     retry_base: float = _opt(1.0, "LORAFLEET_RETRY_BASE", "first retry delay (doubles up to --retry-max)")
     retry_max: float = _opt(60.0, "LORAFLEET_RETRY_MAX", "longest retry delay")
     # process
@@ -81,6 +94,9 @@ class Settings:
     router_timeout: float = _opt(600.0, "LORAFLEET_ROUTER_TIMEOUT", "router: seconds per proxied request")
     router_unavailable_wait: float = _opt(
         30.0, "LORAFLEET_ROUTER_UNAVAILABLE_WAIT", "router: seconds a request waits for a holder when none is ready"
+    )
+    demand_window: float = _opt(
+        30.0, "LORAFLEET_DEMAND_WINDOW", "router: seconds over which per-adapter demand (GET /demand) is averaged"
     )
 
     @property
@@ -111,6 +127,8 @@ class Settings:
         settings = cls(**values)
         if settings.default_replicas < 1:
             raise ValueError("default replicas must be >= 1")
+        if settings.demand_window <= 0 or settings.autoscale_interval <= 0 or settings.autoscale_cooldown < 0:
+            raise ValueError("demand window and autoscale interval must be > 0, the cool-down >= 0")
         return settings
 
 

@@ -4,7 +4,10 @@ Condition types: ``Synced`` (source available in the store), ``EndpointsReady`` 
 pod loaded the wanted version), ``Degraded`` (serving, but not what the spec asks: a failed hot
 swap keeps the last good version, reason ``SwapFailed``) and ``Ready`` (routable: true once the
 adapter was fully loaded and while some endpoint still serves a good version; a first load
-that has not completed yet is not Ready). Reasons are CamelCase constants below. A condition's
+that has not completed yet is not Ready). Reasons are CamelCase constants below.
+``Autoscaling`` (only with ``spec.autoscaling``: reason ``ScaledUp``, ``ScaledDown``, ``AtTarget``,
+``CoolingDown``, ``AtMaxReplicas``, ``AtMinReplicas``, ``LimitedByCapacity`` or ``NoDemandData``,
+with the demand in the message) says why ``desiredReplicas`` is what it is. A condition's
 ``lastTransitionTime`` changes only when its ``status`` changes, so recomputing an unchanged
 state yields an identical document (no status patch, no event loop).
 """
@@ -71,10 +74,17 @@ class Observed:
     degraded: Condition = field(default_factory=lambda: NOT_DEGRADED_CONDITION)
     served_uri: str | None = None  # the last URI loaded on the whole placement (the last good version)
     routable: bool = False  # a good version is served although the phase is not Ready
+    desired_replicas: int | None = None  # spec.autoscaling: the replicas wanted now
+    scaling: Condition | None = None  # spec.autoscaling: the Autoscaling condition (why)
 
     @property
     def ready_count(self) -> int:
         return sum(1 for e in self.endpoints if e["ready"])
+
+    @property
+    def current_replicas(self) -> int:
+        """Placed pods that serve the adapter now."""
+        return sum(1 for e in self.endpoints if e["ready"] and e.get("podName") in self.placement)
 
     def summary(self) -> Condition:
         """The Ready condition: true only in phase Ready, else the most telling failing reason."""
@@ -114,7 +124,8 @@ def render(observed: Observed, previous: Mapping[str, Any], now: str | None = No
     old_conditions = previous.get("conditions") or []
     conditions = [
         merge_condition(old_conditions, c, observed.generation, now)
-        for c in (observed.synced, observed.endpoints_ready, observed.degraded, observed.summary())
+        for c in (observed.synced, observed.endpoints_ready, observed.degraded, observed.summary(), observed.scaling)
+        if c is not None
     ]
     return {
         "endpoints": observed.endpoints,
@@ -128,6 +139,8 @@ def render(observed: Observed, previous: Mapping[str, Any], now: str | None = No
         "revision": observed.revision,
         "syncJob": observed.sync_job,
         "servedUri": observed.served_uri,
+        "desiredReplicas": observed.desired_replicas,
+        "currentReplicas": None if observed.desired_replicas is None else observed.current_replicas,
     }
 
 

@@ -1,0 +1,252 @@
+"""Demand-aware replicas (``spec.autoscaling``, a lorafleet extension): the policy and its state.
+
+An autoscaled DynamoModel asks for ``minReplicas <= n <= maxReplicas`` pods, sized so that each
+replica carries at most ``target`` units of demand. Demand is what the routers report per adapter
+(``GET /demand``): the time-averaged number of requests in flight plus queued for it over the
+routers' window (Little's law: request rate x latency), summed over the router replicas.
+
+The policy (``decide``, a plain function the simulation ``bench/sim_placement.py`` calls too):
+- grow at once to ``ceil(demand / target)`` when that exceeds the current count;
+- shrink only when ``demand / target`` has fallen below ``scale_down_at`` of the current count
+  (hysteresis: shrinking never lands a replica back above ``scale_down_at x target``), and only
+  after ``cooldown`` since the last change (cool-down), to ``ceil(demand / (scale_down_at x target))``;
+- always within ``[minReplicas, maxReplicas]`` (a spec change applies at once).
+
+The reconciler places the wanted count along the adapter's HRW order within capacity, so growing
+adds the next pods of that order and shrinking drops the last ones; leavers are unloaded only
+after the shrunk placement is published (make-before-break, ``reconcile._unload_leavers``).
+
+``Autoscaler`` keeps the per-model state (wanted count, time of the last change) and is what the
+reconciler asks for a model's replica count; ``autoscale_pass`` is one poll of the routers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lorafleet_operator.resources import Model
+
+log = logging.getLogger(__name__)
+
+SCALE_DOWN_AT = 0.5  # shrink when demand per replica would stay below half the target
+DEFAULT_COOLDOWN = 300.0  # seconds between a change and the next shrink
+
+# reasons of the Autoscaling condition
+SCALED_UP, SCALED_DOWN, STEADY, COOLING_DOWN = "ScaledUp", "ScaledDown", "AtTarget", "CoolingDown"
+AT_MIN, AT_MAX, NO_DEMAND_DATA = "AtMinReplicas", "AtMaxReplicas", "NoDemandData"
+LIMITED_BY_CAPACITY = "LimitedByCapacity"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """``spec.autoscaling``: replica bounds and the demand one replica should carry."""
+
+    min_replicas: int
+    max_replicas: int
+    target: float
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any] | None) -> Policy | None:
+        """The policy of ``spec.autoscaling`` (None when absent: fixed replicas)."""
+        if not spec:
+            return None
+        low = int(spec.get("minReplicas") or 1)
+        high = max(low, int(spec.get("maxReplicas") or low))
+        target = float(spec.get("target") or 1.0)
+        return cls(low, high, target if target > 0 else 1.0)
+
+    def clamp(self, n: int) -> int:
+        return max(self.min_replicas, min(self.max_replicas, n))
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int
+    reason: str
+    message: str
+
+    @property
+    def changed(self) -> bool:
+        return self.reason in (SCALED_UP, SCALED_DOWN)
+
+
+def decide(
+    policy: Policy,
+    demand: float,
+    current: int,
+    since_change: float,
+    *,
+    cooldown: float = DEFAULT_COOLDOWN,
+    scale_down_at: float = SCALE_DOWN_AT,
+) -> Decision:
+    """The replica count for ``demand`` given the ``current`` count, changed ``since_change`` ago."""
+    demand = max(0.0, demand)
+    per = demand / max(current, 1)
+    what = f"demand {demand:.2f} = {per:.2f} per replica on {current} (target {policy.target:g})"
+    clamped = policy.clamp(current)
+    if clamped != current:
+        reason = SCALED_UP if clamped > current else SCALED_DOWN
+        return Decision(clamped, reason, f"{what}: spec bounds [{policy.min_replicas}, {policy.max_replicas}]")
+    up = policy.clamp(math.ceil(demand / policy.target - 1e-9))
+    if up > current:
+        return Decision(up, SCALED_UP, f"{what}: scaled up to {up}")
+    down = policy.clamp(math.ceil(demand / (policy.target * scale_down_at) - 1e-9))
+    if down < current:
+        if since_change < cooldown:
+            wait = cooldown - since_change
+            return Decision(current, COOLING_DOWN, f"{what}: {down} would do; cooling down for {wait:.0f}s")
+        return Decision(down, SCALED_DOWN, f"{what}: scaled down to {down}")
+    if current == policy.max_replicas and demand > policy.target * current:
+        return Decision(current, AT_MAX, f"{what}: at maxReplicas")
+    if current == policy.min_replicas and demand <= policy.target * scale_down_at * current:
+        return Decision(current, AT_MIN, f"{what}: at minReplicas")
+    return Decision(current, STEADY, f"{what}")
+
+
+@dataclass
+class _State:
+    replicas: int
+    changed: float  # monotonic time of the last change
+    decision: Decision
+
+
+class Autoscaler:
+    """Per-model autoscaling state; the reconciler asks it how many replicas a model wants."""
+
+    def __init__(
+        self,
+        *,
+        cooldown: float = DEFAULT_COOLDOWN,
+        scale_down_at: float = SCALE_DOWN_AT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cooldown = cooldown
+        self.scale_down_at = scale_down_at
+        self.clock = clock
+        self._state: dict[str, _State] = {}  # model uid -> state
+
+    def _current(self, model: Model, policy: Policy) -> _State:
+        state = self._state.get(model.uid)
+        if state is None:  # first sight (or an operator restart): resume from the published status
+            published = model.status.get("desiredReplicas")
+            start = policy.clamp(int(published) if isinstance(published, int) else policy.min_replicas)
+            decision = Decision(start, NO_DEMAND_DATA, f"{start} replicas until the routers report demand")
+            state = self._state[model.uid] = _State(start, self.clock(), decision)
+        return state
+
+    def replicas(self, model: Model) -> tuple[int, Decision] | None:
+        """(wanted replicas, the last decision) for an autoscaled model; None for fixed replicas."""
+        policy = Policy.from_spec(model.autoscaling)
+        if policy is None:
+            self._state.pop(model.uid, None)
+            return None
+        state = self._current(model, policy)
+        if policy.clamp(state.replicas) != state.replicas:  # the spec's bounds changed
+            self.observe(model, None)
+        return state.replicas, state.decision
+
+    def floor(self, model: Model) -> int:
+        """``minReplicas`` of an autoscaled model (1 otherwise)."""
+        policy = Policy.from_spec(model.autoscaling)
+        return 1 if policy is None else policy.min_replicas
+
+    def observe(self, model: Model, demand: float | None) -> bool:
+        """Apply the policy to ``model``'s current demand (None: not reported); True when the count changed."""
+        policy = Policy.from_spec(model.autoscaling)
+        if policy is None:
+            return False
+        state = self._current(model, policy)
+        now = self.clock()
+        if demand is None:
+            clamped = policy.clamp(state.replicas)
+            if clamped == state.replicas:
+                return False
+            decision = Decision(clamped, SCALED_UP if clamped > state.replicas else SCALED_DOWN, "spec bounds changed")
+        else:
+            decision = decide(
+                policy, demand, state.replicas, now - state.changed, cooldown=self.cooldown,
+                scale_down_at=self.scale_down_at,
+            )  # fmt: skip
+        changed = decision.replicas != state.replicas
+        if not changed and decision.reason == STEADY and state.decision.changed:
+            return False  # the last change (ScaledUp/ScaledDown) stays the reason while demand fits
+        if changed:
+            log.info("%s/%s: %s -> %d replicas (%s)", model.namespace, model.name, state.replicas, decision.replicas,
+                     decision.message)  # fmt: skip
+            state.replicas, state.changed = decision.replicas, now
+        before = state.decision
+        state.decision = decision
+        return changed or before.reason != decision.reason
+
+    def forget(self, uid: str) -> None:
+        self._state.pop(uid, None)
+
+
+Demand = dict[tuple[str, str], float]  # (namespace, DynamoModel name) -> demand
+DemandSource = Callable[[], Awaitable[Demand | None]]
+
+
+def merge_reports(reports: Iterable[Mapping[str, Any]]) -> Demand:
+    """Sum the routers' ``GET /demand`` bodies: (namespace, name) -> in flight + queued (window mean)."""
+    total: Demand = {}
+    for report in reports:
+        for entry in report.get("adapters") or []:
+            key = (str(entry.get("namespace", "")), str(entry.get("name", "")))
+            total[key] = total.get(key, 0.0) + float(entry.get("concurrency") or 0.0)
+    return total
+
+
+async def autoscale_pass(
+    autoscaler: Autoscaler,
+    models: Iterable[tuple[tuple[str, str], Model]],
+    fetch: DemandSource,
+    enqueue: Callable[[tuple[str, str]], None],
+) -> list[tuple[str, str]]:
+    """One poll: apply the policy to every autoscaled model, re-queue those whose count (or reason) changed.
+
+    When no router answered, nothing changes (no demand data is not zero demand)."""
+    demand = await fetch()
+    if demand is None:
+        return []
+    changed = []
+    for key, model in models:
+        if not model.autoscaling or not model.is_lora or model.deleting:
+            continue
+        if autoscaler.observe(model, demand.get(key, 0.0)):
+            enqueue(key)
+            changed.append(key)
+    return changed
+
+
+class RouterDemand:
+    """Reads ``GET <url>`` (the routers' ``/demand``) from every URL and sums them."""
+
+    def __init__(self, urls: Iterable[str], timeout: float = 5.0) -> None:
+        self.urls = list(urls)
+        self.timeout = timeout
+        self._session: Any = None
+
+    async def __call__(self) -> Demand | None:
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        reports = []
+        for url in self.urls:
+            try:
+                async with self._session.get(url) as response:
+                    response.raise_for_status()
+                    reports.append(await response.json())
+            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                log.warning("cannot read demand from %s: %s", url, e)
+                return None  # a partial sum would read as lower demand: change nothing this time
+        return merge_reports(reports)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
