@@ -1,4 +1,4 @@
-"""Placement simulation: four policies side by side on the operator's real placement code.
+"""Placement simulation: five policies side by side on the operator's real placement and autoscale code.
 
 A fluid model of one fleet over ``--epochs`` epochs ("minutes"). Demand: ``--adapters``
 adapters with Zipf(s) popularity whose ranks shift every epoch (``--shift`` of the adapters
@@ -13,16 +13,20 @@ Policies:
   affinity   prefer-where-loaded (the gateway's LoRA affinity): an adapter stays on the pods that
              held it while their load is below 1.25x the mean, else it is loaded on the least
              loaded pod; a full pod evicts its least-demanded adapter
-  ours       demand-aware replicas (``ceil(demand / target)``, at least ``--replicas``; the target is
-             ``--replica-target`` x the mean pod load; a stand-in for outcome 2's autoscaler) placed
-             hottest first along each adapter's HRW order (``placement.place_within``), skipping pods
-             at capacity or at 1.25x the mean demand load (bounded loads weighted by demand); no
-             hysteresis yet, so its churn is an upper bound
+  ours       demand-aware replicas decided by the operator's policy (``autoscale.decide``: at least
+             ``--replicas``, a replica carries at most ``--replica-target`` x the mean pod load, grow
+             at once, shrink below ``--scale-down-at`` of the target only after ``--cooldown``
+             epochs), placed with as few moves as possible: held replicas stay on live pods, new
+             ones go along the adapter's HRW order (``placement.place_within``) to pods with room
+             under their capacity and under 1.25x the mean demand load (bounded loads weighted by
+             demand), and only pods above that bound shed replicas (largest share first)
+  ours-hrw   the same replica counts placed the way the operator places them today: the first pods
+             of the adapter's HRW order with room under their capacity (no demand-weighted bound)
 
 Reported per policy: max/mean pod load, p99 queueing delay (M/M/1 per pod, in units of the mean
 service time), adapter loads per epoch (churn), and over-capacity placements (what would be 507s).
 
-    python bench/sim_placement.py                                  # the full grid
+    python bench/sim_placement.py --out sim_placement --plot       # the full grid, JSON and PNG
     python bench/sim_placement.py --adapters 200 --pods 20 --zipf 1.1 --epochs 3   # smoke run
 """
 
@@ -37,10 +41,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import log, write_json
-from lorafleet_operator.placement import DEFAULT_EPSILON, place, place_within
+from common import OUT_DIR, log, write_json
+from lorafleet_operator.autoscale import SCALE_DOWN_AT, Policy, decide
+from lorafleet_operator.placement import DEFAULT_EPSILON, place, place_within, rank
 
 Placement = dict[str, list[str]]
+POLICIES = ("fixed-r", "all-pods", "affinity", "ours", "ours-hrw")
 AFFINITY_THRESHOLD = 1.25  # the gateway moves on when a holder's load exceeds this x the mean
 
 
@@ -116,28 +122,101 @@ def affinity(previous: Placement, demand: dict[str, float], pods: list[str], cap
     return placement
 
 
-def ours(demand: dict[str, float], pods: list[str], capacity: int, replicas: int, target_share: float) -> Placement:
-    """Replicas grow with demand (a replica carries at most ``target_share`` of a pod's mean load);
-    placed hottest first by the operator's bounded-load walk (``placement.place_within``): a pod has
-    room below its capacity and below 1.25x the mean demand load (bounded loads, weighted by demand)."""
-    mean = sum(demand.values()) / len(pods)
-    target = target_share * mean
-    count = dict.fromkeys(pods, 0)
-    load = dict.fromkeys(pods, 0.0)
-    placement: Placement = {}
-    for name in sorted(demand, key=lambda n: (-demand[n], n)):
-        wanted = min(len(pods), max(replicas, math.ceil(demand[name] / target)))
-        share = demand[name] / wanted
-        bound = (1 + DEFAULT_EPSILON) * mean - share
-        chosen = place_within(name, pods, wanted, lambda p, bound=bound: count[p] < capacity and load[p] <= bound)
-        if len(chosen) < wanted:  # no pod under the bound: the least loaded ones with room
-            rest = [p for p in pods if p not in chosen and count[p] < capacity]
-            chosen += sorted(rest, key=lambda p: (load[p], p))[: wanted - len(chosen)]
-        for pod in chosen:
-            count[pod] += 1
-            load[pod] += demand[name] / len(chosen)
-        placement[name] = chosen
-    return placement
+class Ours:
+    """Demand-aware replicas with the operator's own policy (``autoscale.decide``: grow at once to
+    ``ceil(demand / target)``, shrink below half the target only after ``cooldown`` epochs), placed
+    hottest first along each adapter's HRW order (``placement.place_within``) within capacity.
+
+    ``bound``: also skip pods at 1.25x the mean demand load (bounded loads weighted by demand) for
+    an adapter they do not hold yet; a pod that holds it keeps it (never moved for balance alone,
+    like the reconciler's balance bound)."""
+
+    def __init__(self, replicas: int, target_share: float, cooldown: int, scale_down_at: float, bound: bool) -> None:
+        self.replicas, self.target_share, self.cooldown = replicas, target_share, cooldown
+        self.scale_down_at, self.bound = scale_down_at, bound
+        self.count: dict[str, int] = {}
+        self.changed: dict[str, int] = {}
+        self.previous: Placement = {}
+        self.epoch = 0
+
+    def wanted(self, name: str, demand: float, target: float, pods: int) -> int:
+        policy = Policy(min(self.replicas, pods), pods, target)
+        current = self.count.get(name, policy.min_replicas)
+        since = self.epoch - self.changed.get(name, -(10**9))
+        decision = decide(policy, demand, current, since, cooldown=self.cooldown, scale_down_at=self.scale_down_at)
+        if decision.replicas != current:
+            self.changed[name] = self.epoch
+        self.count[name] = decision.replicas
+        return decision.replicas
+
+    def place(self, demand: dict[str, float], pods: list[str], capacity: int) -> Placement:
+        """Move as little as possible: keep every held replica on a live pod, add or drop replicas
+        where the policy changed the count (along the HRW order, within capacity and the bound),
+        then move replicas off pods above the bound only (largest share first)."""
+        live = set(pods)
+        mean = sum(demand.values()) / len(pods)
+        target = self.target_share * mean
+        bound = (1 + DEFAULT_EPSILON) * mean if self.bound else math.inf
+        count = dict.fromkeys(pods, 0)
+        load = dict.fromkeys(pods, 0.0)
+        placement: Placement = {}
+        for name in sorted(demand, key=lambda n: (-demand[n], n)):
+            wanted = self.wanted(name, demand[name], target, len(pods))
+            kept = [p for p in rank(name, self.previous.get(name, ())) if p in live][:wanted]  # shrink: HRW's last go
+            share = demand[name] / wanted
+
+            def has_room(p: str, share: float = share, kept: list[str] = kept) -> bool:
+                return p not in kept and count[p] < capacity and load[p] + share <= bound
+
+            chosen = kept + place_within(name, pods, wanted - len(kept), has_room) if len(kept) < wanted else kept
+            if len(chosen) < wanted:  # no pod under the bound: the least loaded ones with room
+                rest = [p for p in pods if p not in chosen and count[p] < capacity]
+                chosen += sorted(rest, key=lambda p: (load[p], p))[: wanted - len(chosen)]
+            for pod in chosen:
+                count[pod] += 1
+                load[pod] += share
+            placement[name] = chosen
+        if self.bound:
+            self._relieve(placement, demand, pods, capacity, count, load, bound)
+        self.previous = placement
+        self.epoch += 1
+        return placement
+
+    @staticmethod
+    def _relieve(
+        placement: Placement,
+        demand: dict[str, float],
+        pods: list[str],
+        capacity: int,
+        count: dict[str, int],
+        load: dict[str, float],
+        bound: float,
+    ) -> None:
+        """Move replicas off pods above ``bound`` (largest share first) to the first pod of the
+        adapter's HRW order with room under it."""
+        on: dict[str, list[str]] = defaultdict(list)
+        for name, held in placement.items():
+            for pod in held:
+                on[pod].append(name)
+        for pod in sorted(pods, key=lambda p: -load[p]):
+            for name in sorted(on[pod], key=lambda n: -demand[n] / len(placement[n])):
+                if load[pod] <= bound:
+                    break
+                share = demand[name] / len(placement[name])
+                held = placement[name]
+                to = place_within(
+                    name,
+                    pods,
+                    1,
+                    lambda p, s=share, h=held: p not in h and count[p] < capacity and load[p] + s <= bound,
+                )
+                if not to:
+                    continue
+                held[held.index(pod)] = to[0]
+                load[pod] -= share
+                count[pod] -= 1
+                load[to[0]] += share
+                count[to[0]] += 1
 
 
 def simulate(args: argparse.Namespace, s: float, pod_count: int) -> dict[str, Any]:
@@ -150,6 +229,10 @@ def simulate(args: argparse.Namespace, s: float, pod_count: int) -> dict[str, An
     capacity = args.capacity or math.ceil(2.5 * args.replicas * args.adapters / pod_count)
     previous: dict[str, Placement] = {}
     totals: dict[str, defaultdict[str, float]] = {}
+    scaled = {
+        name: Ours(args.replicas, args.replica_target, args.cooldown, args.scale_down_at, bound)
+        for name, bound in (("ours", True), ("ours-hrw", False))
+    }
     for _ in range(args.epochs):
         demand = zipf_demand(order, s)
         pod_rate = sum(demand.values()) / pod_count / args.utilisation
@@ -157,7 +240,7 @@ def simulate(args: argparse.Namespace, s: float, pod_count: int) -> dict[str, An
             "fixed-r": fixed_r(names, pods, args.replicas),
             "all-pods": all_pods(names, pods),
             "affinity": affinity(previous.get("affinity", {}), demand, pods, capacity),
-            "ours": ours(demand, pods, capacity, args.replicas, args.replica_target),
+            **{name: policy.place(demand, pods, capacity) for name, policy in scaled.items()},
         }
         for policy, plan in plans.items():
             load = pod_loads(plan, demand, pods)
@@ -195,11 +278,14 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=0, help="adapters per pod (0: 2.5x the fixed-R mean)")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=10)
-    ap.add_argument("--replica-target", type=float, default=0.5, help="ours: demand per replica / mean pod load")
+    ap.add_argument("--replica-target", type=float, default=1.0, help="ours: demand per replica / mean pod load")
+    ap.add_argument("--cooldown", type=int, default=3, help="ours: epochs after a change before a shrink")
+    ap.add_argument("--scale-down-at", type=float, default=SCALE_DOWN_AT, help="ours: shrink below this x target")
     ap.add_argument("--shift", type=float, default=0.05)
     ap.add_argument("--utilisation", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=17)
     ap.add_argument("--out", default="", help="write the results to bench/<out>.json")
+    ap.add_argument("--plot", action="store_true", help="write bench/sim_placement.png (load balance and churn)")
     args = ap.parse_args()
     results = []
     for s in args.zipf:
@@ -207,10 +293,43 @@ def main() -> None:
             row = {"zipf": s, "pods": pod_count, **simulate(args, s, pod_count)}
             results.append(row)
             log(f"zipf {s} pods {pod_count} capacity {row['capacity']}")
-            for policy in ("fixed-r", "all-pods", "affinity", "ours"):
+            for policy in POLICIES:
                 log(f"  {policy:9s} {row[policy]}")
     if args.out:
         write_json(args.out, {"args": vars(args), "results": results})
+    if args.plot:
+        plot(results, OUT_DIR / "sim_placement.png")
+
+
+def plot(results: list[dict[str, Any]], png: Path) -> None:
+    """Max/mean pod load and adapter loads per epoch, per policy, against the Zipf exponent (one column per fleet)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fleets = sorted({r["pods"] for r in results})
+    fig, axes = plt.subplots(2, len(fleets), figsize=(4.2 * len(fleets), 7), squeeze=False)
+    for col, pods in enumerate(fleets):
+        rows = sorted((r for r in results if r["pods"] == pods), key=lambda r: r["zipf"])
+        zipf = [r["zipf"] for r in rows]
+        for policy in POLICIES:
+            style = {"linewidth": 2.5} if policy == "ours" else {"linestyle": "--" if policy == "ours-hrw" else "-"}
+            axes[0][col].plot(zipf, [r[policy]["max_over_mean_load"] for r in rows], marker="o", label=policy, **style)
+            churn = [max(r[policy]["adapter_loads_per_epoch"], 0.5) for r in rows]
+            axes[1][col].plot(zipf, churn, marker="o", label=policy, **style)
+        axes[0][col].axhline(1.25, color="grey", linewidth=0.8)
+        axes[0][col].set_title(f"{pods} pods, capacity {rows[0]['capacity']}")
+        axes[0][col].set_yscale("log")
+        axes[1][col].set_yscale("log")
+        axes[1][col].set_xlabel("Zipf exponent")
+    axes[0][0].set_ylabel("max / mean pod load (1.25 = bound)")
+    axes[1][0].set_ylabel("adapter loads per epoch (churn)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    log(f"wrote {png}")
 
 
 if __name__ == "__main__":
