@@ -98,6 +98,13 @@ def test_v1beta1_manifest_is_the_same_object_at_both_versions(cluster: TestClust
         ({"modelName": "x" * 129}, "spec.modelName"),
         ({"modelType": "other"}, "spec.modelType"),
         ({"replicas": 0}, "spec.replicas"),
+        ({"autoscaling": {"minReplicas": 3, "maxReplicas": 2, "target": 1}}, "must not exceed autoscaling.maxReplicas"),
+        ({"autoscaling": {"maxReplicas": 2, "target": 0}}, "spec.autoscaling.target"),
+        ({"autoscaling": {"target": 1}}, "spec.autoscaling.maxReplicas"),
+        (
+            {"replicas": 2, "autoscaling": {"maxReplicas": 2, "target": 1}},
+            "spec.replicas and spec.autoscaling are exclusive",
+        ),
     ],
     ids=[
         "no-source",
@@ -108,6 +115,10 @@ def test_v1beta1_manifest_is_the_same_object_at_both_versions(cluster: TestClust
         "long-name",
         "bad-type",
         "zero-replicas",
+        "autoscaling-min-above-max",
+        "autoscaling-zero-target",
+        "autoscaling-no-max",
+        "replicas-and-autoscaling",
     ],
 )
 def test_invalid_specs_are_rejected(cluster: TestCluster, ns: str, spec: dict[str, Any], message: str) -> None:
@@ -115,6 +126,15 @@ def test_invalid_specs_are_rejected(cluster: TestCluster, ns: str, spec: dict[st
     manifest["spec"] = {k: v for k, v in {**manifest["spec"], **spec}.items() if v is not None}
     out = apply(cluster, ns, manifest)
     assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+def test_autoscaling_is_accepted_with_defaults(cluster: TestCluster, ns: str) -> None:
+    manifest = lora("auto")
+    manifest["spec"].pop("replicas", None)
+    manifest["spec"]["autoscaling"] = {"maxReplicas": 4, "target": 2.5}
+    assert apply(cluster, ns, manifest).returncode == 0
+    spec = cluster.get(f"/apis/nvidia.com/v1beta1/namespaces/{ns}/dynamomodels/auto")["spec"]
+    assert spec["autoscaling"] == {"minReplicas": 1, "maxReplicas": 4, "target": 2.5}
 
 
 def test_base_model_and_type_are_immutable(cluster: TestCluster, ns: str) -> None:

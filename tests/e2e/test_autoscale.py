@@ -1,0 +1,220 @@
+"""Demand-aware replicas end to end (issue 17, outcome 4): real workers, the router and the operator as pods.
+
+A skewed load through the router (several clients on one adapter) makes that adapter's replica count
+grow along its HRW order; once the load stops it shrinks back (after the cool-down), and no request
+fails on the way. Intervals, window and cool-down are set small by flags so the test takes seconds
+of scaling, not minutes; every wait polls for a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from lorafleet_devcluster.cluster import wait_until
+from lorafleet_devcluster.paths import REPO_ROOT
+from lorafleet_devcluster.rawstack import (
+    BASE,
+    OPERATOR_RULES,
+    PROMPT,
+    READY_S,
+    ROUTER_RULES,
+    RawStack,
+    deployment,
+    env_var,
+    install_crd,
+    pod_ready,
+    rbac,
+)
+from lorafleet_devcluster.session import TestCluster
+from lorafleet_operator.placement import place
+from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
+
+HOT = "org/hot-lora"
+# the pods run this checkout's operator code (the venv's editable install may point at another one)
+CODE = env_var("PYTHONPATH", ":".join(str(REPO_ROOT / p / "src") for p in ("operator", "jobs")))
+
+
+@dataclass
+class Stack(RawStack):
+    adapter: Path
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: TestCluster, tiny_models: Any, tiny_adapter_factory: Any) -> Iterator[Stack]:
+    install_crd(cluster)
+    model_dir = tiny_models["llama"]
+    adapter = tiny_adapter_factory(model_dir, rank=4, seed=111, strength=2.0)
+    ns = cluster.new_namespace("autoscale")
+    stack = Stack(cluster, ns, adapter)
+    workers = deployment(
+        "workers",
+        "lorafleet/worker:dev",
+        [
+            "lorafleet-worker",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            BASE,
+            "--host",
+            "$(POD_IP)",
+            "--port",
+            "8000",
+            "--system-port",
+            "9090",
+            "--max-lora-rank",
+            "16",
+            "--max-loras",
+            "4",
+        ],
+        replicas=3,
+        labels={BASE_MODEL_HASH_LABEL: base_model_hash(BASE)},
+        volumes=True,
+        env=[env_var("LORAFLEET_FILE_ROOTS", str(adapter.parent)), env_var("DYN_LORA_PATH", "/var/cache/lora")],
+        probe={"httpGet": {"path": "/ready", "port": 9090}, "periodSeconds": 1},
+    )
+    router = deployment(
+        "router",
+        "lorafleet/operator:dev",
+        [
+            "lorafleet-router",
+            "--namespace",
+            ns,
+            "--bind-host",
+            "$(POD_IP)",
+            "--router-port",
+            "8000",
+            "--demand-window",
+            "2",
+        ],
+        sa="lorafleet-router",
+        env=[CODE],
+        probe={"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
+    )
+    stack.apply(*rbac("lorafleet-operator", OPERATOR_RULES), *rbac("lorafleet-router", ROUTER_RULES))
+    stack.apply(workers, router)
+    try:
+        wait_until(partial(_any_ready, stack, "router"), 180, "router pod Ready")
+        operator = deployment(
+            "operator",
+            "lorafleet/operator:dev",
+            [
+                "lorafleet-operator",
+                "--namespace",
+                ns,
+                "--bind-host",
+                "$(POD_IP)",
+                "--drift-interval",
+                "5",
+                "--demand-urls",
+                f"{stack.router}/demand",
+                "--autoscale-interval",
+                "1",
+                "--autoscale-cooldown",
+                "4",
+                "--unload-grace",
+                "1",
+                "--retry-max",
+                "5",
+                "--call-timeout",
+                "5",
+            ],
+            sa="lorafleet-operator",
+            env=[CODE],
+            probe={"httpGet": {"path": "/healthz", "port": 8080}, "periodSeconds": 2},
+        )
+        stack.apply(operator)
+        wait_until(partial(_any_ready, stack, "operator"), 180, "operator pod Ready")
+        wait_until(lambda: len(stack.ready_workers()) == 3, READY_S, "3 Ready workers")
+        yield stack
+    except BaseException:
+        for app in ("operator", "router"):
+            for p in stack.pods(app):
+                print(f"--- {p['metadata']['name']}\n{cluster.logs(ns, p['metadata']['name'])[-4000:]}")
+        raise
+    finally:
+        cluster.kubectl("delete", "dynamomodels", "--all", "-n", ns, "--wait=false", check=False)
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def _any_ready(stack: RawStack, app: str) -> bool:
+    return any(pod_ready(p) for p in stack.pods(app))
+
+
+class Load:
+    """``clients`` threads sending requests for one adapter back to back through the router."""
+
+    def __init__(self, stack: RawStack, model: str, clients: int) -> None:
+        self.url, self.model = f"{stack.router}/v1/completions", model
+        self.ok = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
+
+    def _run(self) -> None:
+        body = {"model": self.model, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        with httpx.Client(timeout=60) as http:
+            while not self._stop.is_set():
+                try:
+                    r = http.post(self.url, json=body)
+                    failure = None if r.status_code == 200 else f"{r.status_code} {r.text[:200]}"
+                except httpx.HTTPError as e:
+                    failure = repr(e)
+                with self._lock:
+                    if failure is None:
+                        self.ok += 1
+                    else:
+                        self.failures.append(failure)
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+
+
+def _scaled(stack: RawStack, name: str, replicas: int) -> dict | None:
+    """The object once it wants and serves ``replicas`` on exactly its top HRW pods (and only there)."""
+    obj = stack.dm(name)
+    status = obj.get("status") or {}
+    workers = stack.ready_workers()
+    want = place(HOT, workers, replicas)
+    if (status.get("desiredReplicas"), status.get("currentReplicas"), status.get("placement")) != (
+        replicas,
+        replicas,
+        want,
+    ):
+        return None
+    holders = {pod for pod, ip in workers.items() if HOT in stack.loras(ip)}
+    return obj if holders == set(want) and status.get("phase") == "Ready" else None
+
+
+def _reason(obj: dict, type_: str) -> str | None:
+    return next((c["reason"] for c in obj["status"]["conditions"] if c["type"] == type_), None)
+
+
+def test_skewed_load_grows_the_hot_adapter_and_it_shrinks_after(stack: Stack) -> None:
+    uri = f"file://{stack.adapter}"
+    stack.apply(stack.dm_doc("hot", HOT, uri, autoscaling={"minReplicas": 1, "maxReplicas": 3, "target": 1}))
+    obj = wait_until(lambda: _scaled(stack, "hot", 1), 180, "hot adapter Ready on 1 replica")
+    assert _reason(obj, "Autoscaling") in ("NoDemandData", "AtMinReplicas", "AtTarget")
+    with Load(stack, HOT, clients=4) as load:
+        obj = wait_until(lambda: _scaled(stack, "hot", 3), 180, "hot adapter grown to 3 replicas", interval=0.5)
+        assert _reason(obj, "Autoscaling") in ("ScaledUp", "AtMaxReplicas")
+    obj = wait_until(lambda: _scaled(stack, "hot", 1), 120, "hot adapter shrunk to 1 replica", interval=0.5)
+    assert _reason(obj, "Autoscaling") in ("ScaledDown", "AtMinReplicas")
+    assert not load.failures, load.failures[:5]
+    assert load.ok > 0
+    print(f"\nautoscale e2e: {load.ok} requests, 0 failed; 1 -> 3 -> 1 replicas")
