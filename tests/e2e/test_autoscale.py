@@ -149,10 +149,11 @@ def _any_ready(stack: RawStack, app: str) -> bool:
 
 
 class Load:
-    """``clients`` threads sending requests for one adapter back to back through the router."""
+    """``clients`` threads sending requests for one adapter through the router, back to back or one
+    every ``pause`` seconds per client (a trickle: paced load, not synchronisation)."""
 
-    def __init__(self, stack: RawStack, model: str, clients: int) -> None:
-        self.url, self.model = f"{stack.router}/v1/completions", model
+    def __init__(self, stack: RawStack, model: str, clients: int, pause: float = 0.0, tokens: int = 16) -> None:
+        self.url, self.model, self.pause, self.tokens = f"{stack.router}/v1/completions", model, pause, tokens
         self.ok = 0
         self.failures: list[str] = []
         self._stop = threading.Event()
@@ -160,7 +161,7 @@ class Load:
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
 
     def _run(self) -> None:
-        body = {"model": self.model, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        body = {"model": self.model, "prompt": PROMPT, "max_tokens": self.tokens, "temperature": 0, "ignore_eos": True}
         with httpx.Client(timeout=60) as http:
             while not self._stop.is_set():
                 try:
@@ -173,6 +174,7 @@ class Load:
                         self.ok += 1
                     else:
                         self.failures.append(failure)
+                self._stop.wait(self.pause)
 
     def __enter__(self) -> Load:
         for t in self._threads:
@@ -210,11 +212,13 @@ def test_skewed_load_grows_the_hot_adapter_and_it_shrinks_after(stack: Stack) ->
     stack.apply(stack.dm_doc("hot", HOT, uri, autoscaling={"minReplicas": 1, "maxReplicas": 3, "target": 1}))
     obj = wait_until(lambda: _scaled(stack, "hot", 1), 180, "hot adapter Ready on 1 replica")
     assert _reason(obj, "Autoscaling") in ("NoDemandData", "AtMinReplicas", "AtTarget")
-    with Load(stack, HOT, clients=4) as load:
-        obj = wait_until(lambda: _scaled(stack, "hot", 3), 180, "hot adapter grown to 3 replicas", interval=0.5)
-        assert _reason(obj, "Autoscaling") in ("ScaledUp", "AtMaxReplicas")
-    obj = wait_until(lambda: _scaled(stack, "hot", 1), 120, "hot adapter shrunk to 1 replica", interval=0.5)
-    assert _reason(obj, "Autoscaling") in ("ScaledDown", "AtMinReplicas")
-    assert not load.failures, load.failures[:5]
-    assert load.ok > 0
-    print(f"\nautoscale e2e: {load.ok} requests, 0 failed; 1 -> 3 -> 1 replicas")
+    # a trickle runs throughout (the shrink too: leavers must not fail a request), four clients on top
+    with Load(stack, HOT, clients=1, pause=2.0, tokens=1) as trickle:
+        with Load(stack, HOT, clients=4) as load:
+            obj = wait_until(lambda: _scaled(stack, "hot", 3), 180, "hot adapter grown to 3 replicas", interval=0.5)
+            assert _reason(obj, "Autoscaling") in ("ScaledUp", "AtMaxReplicas")
+        obj = wait_until(lambda: _scaled(stack, "hot", 1), 120, "hot adapter shrunk to 1 replica", interval=0.5)
+        assert _reason(obj, "Autoscaling") in ("ScaledDown", "AtMinReplicas")
+    assert not load.failures and not trickle.failures, (load.failures + trickle.failures)[:5]
+    assert load.ok > 0 and trickle.ok > 0
+    print(f"\nautoscale e2e: {load.ok} + {trickle.ok} requests, 0 failed; 1 -> 3 -> 1 replicas")
