@@ -164,6 +164,9 @@ async def test_router_demand_reads_every_url_and_none_when_one_fails() -> None:
         broken = RouterDemand([url, f"http://127.0.0.1:{port}/missing"])
         assert await broken() is None
         await broken.close()
+        unknown = RouterDemand([url, "http://no-such-router.invalid:8000/demand"])
+        assert await unknown() is None  # a name that does not resolve: no data, not zero demand
+        await unknown.close()
     finally:
         await runner.cleanup()
 
@@ -291,3 +294,12 @@ async def test_router_reports_in_flight_requests_per_adapter() -> None:
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+async def test_router_demand_reads_every_address_of_a_name() -> None:
+    """A headless Service name resolves to every router pod: each one's URL is read."""
+    many = RouterDemand(["http://localhost:8000/demand", "http://10.0.0.7:8000/demand"])
+    targets = await many.targets()
+    assert targets is not None and targets[-1] == "http://10.0.0.7:8000/demand"
+    assert "http://127.0.0.1:8000/demand" in targets
+    await many.close()

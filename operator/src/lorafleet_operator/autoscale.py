@@ -224,20 +224,53 @@ async def autoscale_pass(
 
 
 class RouterDemand:
-    """Reads ``GET <url>`` (the routers' ``/demand``) from every URL and sums them."""
+    """Reads ``GET <url>`` (the routers' ``/demand``) and sums the answers.
+
+    A URL's host name is resolved to all its addresses and each is read: a headless Service
+    (the chart's ``<fullname>-router-pods``) names every router pod, so every router's share counts."""
 
     def __init__(self, urls: Iterable[str], timeout: float = 5.0) -> None:
         self.urls = list(urls)
         self.timeout = timeout
         self._session: Any = None
 
+    async def targets(self) -> list[str] | None:
+        """The URLs to read, one per address of each URL's host (None when a name does not resolve)."""
+        import asyncio
+        import ipaddress
+        import socket
+        from urllib.parse import urlsplit
+
+        out: list[str] = []
+        for url in self.urls:
+            parts = urlsplit(url)
+            host, port = parts.hostname or "", parts.port or 80
+            try:
+                ipaddress.ip_address(host)
+                out.append(url)
+                continue
+            except ValueError:
+                pass
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as e:
+                log.warning("cannot resolve %s for demand: %s", host, e)
+                return None
+            for address in sorted({str(info[4][0]) for info in infos}):
+                netloc = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+                out.append(parts._replace(netloc=netloc).geturl())
+        return out
+
     async def __call__(self) -> Demand | None:
         import aiohttp
 
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        targets = await self.targets()
+        if targets is None:
+            return None
         reports = []
-        for url in self.urls:
+        for url in targets:
             try:
                 async with self._session.get(url) as response:
                     response.raise_for_status()
