@@ -218,6 +218,7 @@ async def test_autoscaled_model_short_of_its_wish_but_at_min_is_not_degraded(mgm
     assert status["desiredReplicas"] == 3 and status["currentReplicas"] == 2
     assert status["phase"] == st.READY and reason(status, "Degraded") == st.NOT_DEGRADED
     assert reason(status, "Autoscaling") == LIMITED_BY_CAPACITY
+    assert result.requeue_after is not None  # looks again for room later
     assert all(len(w.loras) <= (w.capacity or 0) for w in workers)
 
 

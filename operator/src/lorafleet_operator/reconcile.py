@@ -258,7 +258,8 @@ class Reconciler:
         placement = self._place(model.model_name, ready_pods, replicas, listings)
         self._count_churn(model, [p.name for p in placement])
         short = min(replicas, len(ready_pods)) - len(placement)  # replicas no pod has room for
-        if scaling is not None and short > 0:  # autoscaled: only short of minReplicas is Degraded
+        limited = scaling is not None and short > 0
+        if limited and scaling is not None:  # autoscaled: only short of minReplicas is Degraded
             obs.scale(replicas, Decision(replicas, LIMITED_BY_CAPACITY, f"{scaling.message}; the other pods are full"))
             short = max(0, min(self.autoscaler.floor(model), len(ready_pods)) - len(placement))
         if not placement:
@@ -321,7 +322,8 @@ class Reconciler:
             observed = obs.observe(st.READY, cond, endpoints, names)
         requeue = await self._unload_leavers(model, names, target, leavers)
         result = self._done(model, observed, ok=not short)  # short: look again for room, with backoff
-        result.requeue_after = _earliest(result.requeue_after, source.requeue, requeue)
+        limited_retry = self.retry_max if limited else None  # autoscaled, above minReplicas: look again for room
+        result.requeue_after = _earliest(result.requeue_after, source.requeue, requeue, limited_retry)
         return result
 
     async def _source(self, model: Model) -> _Source:
