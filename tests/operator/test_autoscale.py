@@ -94,6 +94,8 @@ def test_autoscaler_resumes_from_the_published_status_after_a_restart() -> None:
     replicas, decision = Autoscaler().replicas(model) or (0, None)
     assert replicas == 3 and decision is not None and decision.reason == NO_DEMAND_DATA
     assert Autoscaler().replicas(lora("org/fixed", replicas=2)) is None  # fixed replicas: not autoscaled
+    switched = dataclasses.replace(auto(), status={"placement": ["w-1", "w-2"]})  # was fixed at 2 replicas
+    assert (Autoscaler().replicas(switched) or (0, None))[0] == 2  # keeps them until demand says otherwise
 
 
 async def test_autoscale_pass_requeues_changed_models_and_ignores_missing_data() -> None:

@@ -134,7 +134,9 @@ class Autoscaler:
         state = self._state.get(model.uid)
         if state is None:  # first sight (or an operator restart): resume from the published status
             published = model.status.get("desiredReplicas")
-            start = policy.clamp(int(published) if isinstance(published, int) else policy.min_replicas)
+            if not isinstance(published, int):  # newly autoscaled: keep what is placed (no sudden shrink)
+                published = len(model.status.get("placement") or ()) or policy.min_replicas
+            start = policy.clamp(published)
             decision = Decision(start, NO_DEMAND_DATA, f"{start} replicas until the routers report demand")
             state = self._state[model.uid] = _State(start, self.clock(), decision)
         return state
