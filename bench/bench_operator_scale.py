@@ -219,7 +219,8 @@ async def run(cluster: Any, args: argparse.Namespace) -> dict[str, Any]:
                                f"/apis/nvidia.com/v1alpha1/namespaces/{ns}/dynamomodels")  # fmt: skip
         log(f"{args.workers} pods and {args.models} DynamoModels created in {time.monotonic() - t0:.1f} s")
         names = [model_doc(i)["spec"]["modelName"] for i in range(args.models)]
-        cmd = [sys.executable, "-m", "lorafleet_operator.cli", "--namespace", ns, "--drift-interval",
+        profile = ["-m", "cProfile", "-o", args.profile] if args.profile else []
+        cmd = [sys.executable, *profile, "-m", "lorafleet_operator.cli", "--namespace", ns, "--drift-interval",
                str(args.drift_interval), "--liveness-port", "0", "--metrics-port", "0", "--bind-host", "127.0.0.1",
                "--reconcile-workers", "32", "--max-concurrent-calls", "64", "--unload-grace", "1"]  # fmt: skip
         log_path = Path(tempfile.mkdtemp(prefix="lorafleet-scale-")) / "operator.log"
@@ -277,6 +278,7 @@ def main() -> None:
     ap.add_argument("--drift-interval", type=float, default=5.0 if SMOKE else 30.0)
     ap.add_argument("--intervals", type=int, default=3, help="drift intervals measured in the steady state")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--profile", default="", help="write a cProfile of the operator process to this file")
     args = ap.parse_args()
     from lorafleet_devcluster.session import shared_cluster
 

@@ -82,8 +82,10 @@ class Runtime:
         self.models[key] = dict(body)
         self.parsed[key] = model
         self._claim(key, old, model)
-        if not model.deleting:
-            self.queue.add(key)
+        if not model.deleting and (
+            old is None or (old.uid, old.generation, old.deleting) != (model.uid, model.generation, False)
+        ):
+            self.queue.add(key)  # new or changed spec; our own status writes (and metadata edits) do not re-queue
 
     def _claim(self, key: Key, old: Model | None, new: Model | None) -> None:
         """Keep ``claimants`` current; a change of who claims a name re-queues every claimant of it."""
@@ -228,11 +230,12 @@ class Runtime:
         async with lock:
             model = Model.from_body(body)
             current: dict[str, Any] = dict(model.status)
+            wrote = False
 
             async def write(new: dict[str, Any]) -> None:
-                nonlocal current
+                nonlocal current, wrote
                 if await self._write(key, model, new, current):
-                    current = new
+                    current, wrote = new, True
 
             owner = self.owner(model)
             started = time.monotonic()
@@ -248,6 +251,8 @@ class Runtime:
             self._set_phase(key, result.status.get("phase"))
             if result.requeue_after:
                 self.queue.add_after(key, result.requeue_after)
+            if wrote:  # level-based: one more pass sees the published status (e.g. leavers to unload)
+                self.queue.add(key)
 
     async def _write(self, key: Key, model: Model, new: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
         patch = st.status_patch(new, current)

@@ -196,6 +196,21 @@ class Reconciler:
                 return cached.names
             return await self._fetch_listing(pod)
 
+    async def _listings_of(self, pods: Sequence[Pod]) -> dict[Pod, set[str] | None]:
+        """``listing`` of each pod: cached ones at once, only stale ones fetched (concurrently)."""
+        now = time.monotonic()
+        out: dict[Pod, set[str] | None] = {}
+        stale: list[Pod] = []
+        for pod in pods:
+            cached = self._listings.get(pod.uid)
+            if cached is not None and now - cached.fetched < self.listing_ttl:
+                out[pod] = cached.names
+            else:
+                stale.append(pod)
+        if stale:
+            out.update(zip(stale, await asyncio.gather(*(self.listing(p) for p in stale)), strict=True))
+        return out
+
     def _note(self, pod: Pod, name: str, uri: str | None) -> None:
         listing = self._listings.get(pod.uid)
         if uri is None:
@@ -248,7 +263,7 @@ class Reconciler:
             return self._done(model, obs.observe(st.PENDING, cond), ok=True)
 
         live = sorted(p for p in pods if (p.ready or p.serving) and p.ip)  # terminating pods still serve
-        listings = dict(zip(live, await asyncio.gather(*(self.listing(p) for p in live)), strict=True))
+        listings = await self._listings_of(live)
         replicas = model.replicas or self.default_replicas
         placement = self._place(model.model_name, ready_pods, replicas, listings)
         self._count_churn(model, [p.name for p in placement])
@@ -492,19 +507,25 @@ class Reconciler:
         self, model_name: str, ready_pods: list[Pod], replicas: int, listings: Mapping[Pod, set[str] | None]
     ) -> list[Pod]:
         """The pods for ``model_name``: its HRW order, skipping full pods (see the module docstring)."""
-        others = {p.name: len((listings[p] or set()) - {model_name}) for p in ready_pods}
-        capacity = {p.name: (self._listings[p.uid].capacity if p.uid in self._listings else None) for p in ready_pods}
-        holding = {p.name for p in ready_pods if model_name in (listings[p] or ())}
-        total = sum(others.values()) + min(replicas, len(ready_pods))
-        bound = None if self.balance_epsilon is None else load_bound(total, len(ready_pods), self.balance_epsilon)
-
-        def has_room(pod: str) -> bool:
-            cap = capacity[pod]
-            if cap is not None and others[pod] >= cap:
-                return False
-            return bound is None or pod in holding or others[pod] < bound  # never evicted for balance alone
-
         by_name = {p.name: p for p in ready_pods}
+
+        def others(pod: str) -> int:  # adapters other than this one on ``pod`` (no copy of its listing)
+            names = listings[by_name[pod]] or set()
+            return len(names) - (model_name in names)
+
+        bound = None
+        if self.balance_epsilon is not None:
+            total = sum(others(p.name) for p in ready_pods) + min(replicas, len(ready_pods))
+            bound = load_bound(total, len(ready_pods), self.balance_epsilon)
+
+        def has_room(pod: str) -> bool:  # asked only along the model's HRW order, until it is placed
+            listing = self._listings.get(by_name[pod].uid)
+            cap = listing.capacity if listing is not None else None
+            if cap is not None and others(pod) >= cap:
+                return False
+            holds = model_name in (listings[by_name[pod]] or ())
+            return bound is None or holds or others(pod) < bound  # never evicted for balance alone
+
         return [by_name[n] for n in place_within(model_name, by_name, replicas, has_room)]
 
     def _count_churn(self, model: Model, placement: list[str]) -> None:
