@@ -111,11 +111,16 @@ class Bench:
         lease_path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{NODE}"
         while True:
             stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-            await self.kube.merge_patch(lease_path, {"spec": {"renewTime": stamp}})
             cond = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "stand-in",
                     "lastHeartbeatTime": now(), "lastTransitionTime": now()}  # fmt: skip
-            await self.kube.request("PATCH", f"/api/v1/nodes/{NODE}/status", {"status": {"conditions": [cond]}},
-                                    content_type="application/strategic-merge-patch+json")  # fmt: skip
+            try:  # a slow or failed beat must not end the loop: the node would go NotReady with its pods
+                await self.kube.merge_patch(lease_path, {"spec": {"renewTime": stamp}})
+                await self.kube.request("PATCH", f"/api/v1/nodes/{NODE}/status", {"status": {"conditions": [cond]}},
+                                        content_type="application/strategic-merge-patch+json")  # fmt: skip
+            except Exception as e:
+                log(f"node heartbeat failed (retrying in 2 s): {e!r}")
+                await asyncio.sleep(2)
+                continue
             await asyncio.sleep(10)
 
     async def add_node(self) -> None:

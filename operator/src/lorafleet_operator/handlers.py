@@ -67,6 +67,7 @@ class Runtime:
         self.write_status = write_status
         self.kube = kube  # finalizers are added and removed through it (None: no finalizers, tests)
         self._finalizing: dict[Key, asyncio.Task[None]] = {}
+        self._finalized: set[str] = set()  # uids released, until their DELETED event (stale events)
         self.queue: WorkQueue[Key] = WorkQueue()
         self.models: dict[Key, dict[str, Any]] = {}
         self.parsed: dict[Key, Model] = {}
@@ -100,8 +101,12 @@ class Runtime:
     def on_model_event(self, kind: str | None, body: Mapping[str, Any]) -> None:
         """The DynamoModel watch: update the index; an object being deleted that still carries
         our finalizer is finalized (once at a time per object) and then released."""
-        self.on_model(kind, body)
         meta = body.get("metadata") or {}
+        if kind == "DELETED":
+            self._finalized.discard(meta.get("uid", ""))
+        elif meta.get("uid") in self._finalized:
+            return  # an event older than our finalizer removal: the object is as good as gone
+        self.on_model(kind, body)
         key = (meta.get("namespace", ""), meta.get("name", ""))
         if kind == "DELETED" or not meta.get("deletionTimestamp") or FINALIZER not in (meta.get("finalizers") or []):
             return
@@ -157,6 +162,7 @@ class Runtime:
                 log.info("%s/%s: unloaded %s from %s", meta.get("namespace"), meta.get("name"),
                          (body.get("spec") or {}).get("modelName"), unloaded or "no pod")  # fmt: skip
                 await self._edit_finalizers(body, add=False)
+                self._finalized.add(meta.get("uid", ""))
                 return
             except Exception:
                 log.exception(

@@ -21,7 +21,9 @@ One pass:
    another URI (hot swap); listings are cached per pod for ``listing_ttl`` (the drift pass
    refreshes them).
 5. make-before-break: until every placed pod holds the target, ``status.endpoints`` also lists
-   the pods that still hold the adapter (old placement, or the old version during a swap).
+   the pods that still hold the adapter (old placement, or the old version during a swap);
+   that status is published before the loads. A first load (nothing served or held) publishes
+   ``Loading`` only if it takes longer than ``progress_after`` seconds.
    Pods that left the placement are unloaded only once the status already published shows the
    new placement fully loaded and ``unload_grace`` seconds passed (routers saw it).
 6. a worker's 400 on a first load ends the model in ``Failed/AdapterInvalid`` until the source
@@ -117,6 +119,7 @@ class Reconciler:
         retry_max: float = 60.0,
         unload_grace: float = 5.0,
         balance_epsilon: float | None = None,
+        progress_after: float = 1.0,
     ) -> None:
         self.client = client
         self.default_replicas = default_replicas
@@ -129,6 +132,7 @@ class Reconciler:
         self.retry_max = retry_max
         self.unload_grace = unload_grace
         self.balance_epsilon = balance_epsilon
+        self.progress_after = progress_after  # a first load publishes "Loading" only once it takes this long
         self._listings: dict[str, _Listing] = {}
         self._listing_locks: dict[str, asyncio.Lock] = {}
         self._loaded: dict[tuple[str, str], str] = {}  # (pod uid, lora name) -> URI we loaded / adopted
@@ -278,7 +282,15 @@ class Reconciler:
         leavers = [p for p in live if p in holding and p not in placement]
         if to_load:
             await self.ledger.claim(model.namespace, model.base_hash, model.model_name)
-            if progress is not None:
+        loads = asyncio.ensure_future(asyncio.gather(*(self._load(model, p, target) for p in to_load)))
+        if to_load and progress is not None:
+            # Something is served (or held): publish old holders next to the new placement before
+            # loading (make-before-break). A first load protects nothing: "Loading" is published
+            # only if it takes longer than ``progress_after`` (a cold start of thousands of quick
+            # loads then costs one status write per model, not two).
+            if served is None and not holding:
+                await asyncio.wait({loads}, timeout=self.progress_after)
+            if not loads.done():
                 loading = obs.endpoints_of(placement, holding, leavers, self.port)
                 cond = st.Condition("EndpointsReady", False, st.LOADING_REASON, f"loading on {len(to_load)} pod(s)")
                 obs.routable = served is not None
@@ -286,7 +298,7 @@ class Reconciler:
                 if st.status_patch(new, model.status):
                     await progress(new)
 
-        outcomes = await asyncio.gather(*(self._load(model, p, target) for p in to_load))
+        outcomes = await loads
         errors = {p.name: e for p, e in zip(to_load, outcomes, strict=True) if e is not None}
         invalid = [e for e in errors.values() if e.invalid]
         if invalid and target == source.uri:
