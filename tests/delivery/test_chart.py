@@ -73,8 +73,9 @@ OPERATOR_RULES = {
     ("", "events"): {"create"},
     ("events.k8s.io", "events"): {"create"},
     ("", "configmaps"): {"create", "get", "patch"},  # the ledger lorafleet-adapters (get/patch by name)
-    ("coordination.k8s.io", "leases"): {"create", "get", "update"},  # --leader-elect (get/update by name)
 }
+# --leader-elect (operator.replicas > 1): the Lease lorafleet-operator, in the release namespace only.
+LEADER_RULES = {("coordination.k8s.io", "leases"): {"create", "get", "update"}}
 ROUTER_RULES = {("nvidia.com", "dynamomodels"): {"get", "list", "watch"}, ("", "pods"): {"get", "list", "watch"}}
 
 
@@ -133,6 +134,38 @@ def test_operator_deployment(rendered: tuple[str, list[Doc]]) -> None:
     assert svc["spec"]["ports"][0]["port"] == 8000
 
 
+def test_operator_replicas_turn_on_leader_election_with_its_lease_rbac() -> None:
+    """operator.replicas > 1: --leader-elect in every pod, a rolling update (never zero pods), and
+    the Lease RBAC in the release namespace only (not in the watched ones); 1: none of that."""
+    for replicas, watch in ((2, ["team-a", "team-b"]), (3, [])):
+        docs = template({"operator": {"replicas": replicas}, "rbac": {"watchNamespaces": watch}})
+        dep = one(docs, "Deployment", "lf-lorafleet-operator")
+        assert dep["spec"]["replicas"] == replicas
+        assert dep["spec"]["strategy"] == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        }
+        env = {e["name"]: e for e in operator_env(docs, "default")}
+        assert env["LORAFLEET_LEADER_ELECT"]["value"] == "true"
+        assert env["POD_NAMESPACE"]["valueFrom"] and env["POD_NAME"]["valueFrom"]  # Lease home and identity
+        leader = one(docs, "Role", "lf-lorafleet-operator-leader")
+        assert leader["metadata"]["namespace"] == "lorafleet"
+        assert rules_by_resource([leader]) == LEADER_RULES
+        assert [r.get("resourceNames") for r in leader["rules"]] == [None, ["lorafleet-operator"]]
+        binding = one(docs, "RoleBinding", "lf-lorafleet-operator-leader")
+        assert binding["roleRef"]["name"] == "lf-lorafleet-operator-leader"
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "lf-lorafleet-operator", "namespace": "lorafleet"}
+        ]
+        others = [r for r in find(docs, "Role") if r["metadata"]["name"] != "lf-lorafleet-operator-leader"]
+        assert all(("coordination.k8s.io", "leases") not in rules_by_resource([r]) for r in others)
+    docs = template({})
+    assert not any(r["metadata"]["name"].endswith("-leader") for r in find(docs, "Role"))
+    assert "LORAFLEET_LEADER_ELECT" not in {e["name"] for e in operator_env(docs, "default")}
+    with pytest.raises(HelmError, match="minimum"):
+        template({"operator": {"replicas": 0}})
+
+
 def test_rbac_is_least_privilege(rendered: tuple[str, list[Doc]]) -> None:
     name, docs = rendered
     cluster = VALUE_SETS[name].get("rbac", {}).get("scope") == "cluster"
@@ -153,16 +186,17 @@ def test_rbac_is_least_privilege(rendered: tuple[str, list[Doc]]) -> None:
     store_secret = values.get("store", {}).get("existingSecret") or f"{fullname(name)}-store"
     elsewhere = cluster or set(watched) - {"lorafleet"}
     copies = elsewhere and values.get("store", {}).get("mode") != "none"
+    hf_secret = values.get("huggingface", {}).get("tokenSecret")
     for role in operator_roles:
         rules = rules_by_resource([role])
-        if copies:  # the store Secret is copied where sync Jobs run: create, and get/update of its name
+        if copies:  # the store and HF token Secrets are copied where sync Jobs run: create, get/update by name
             assert rules.pop(("", "secrets")) == {"create", "get", "update"}, name
             named = [r for r in role["rules"] if r.get("resourceNames") and r["resources"] == ["secrets"]]
             assert named == [
                 {
                     "apiGroups": [""],
                     "resources": ["secrets"],
-                    "resourceNames": [store_secret],
+                    "resourceNames": [store_secret, *([hf_secret] if hf_secret else [])],
                     "verbs": ["get", "update"],
                 }
             ]

@@ -103,3 +103,19 @@ async def test_the_store_secret_is_copied_where_sync_jobs_run(cluster: TestClust
     assert values(other)["AWS_ACCESS_KEY_ID"] == "theirs"
     await store_credentials.ensure_copy(kube, "store", home, home)  # its own namespace: the original
     assert values(home) == rotated
+
+
+async def test_the_hf_token_secret_is_copied_where_sync_jobs_run(cluster: TestCluster, kube: KubeClient) -> None:
+    """Sync Jobs of private hf:// repositories in another namespace read HF_TOKEN there (issue 13, outcome 5)."""
+    home, team = cluster.new_namespace("home"), cluster.new_namespace("team")
+    token = base64.b64encode(b"hf_private").decode()
+    other = base64.b64encode(b"not copied").decode()
+    cluster.kube.post(f"/api/v1/namespaces/{home}/secrets",
+                      {"metadata": {"name": "hf"}, "data": {"HF_TOKEN": token, "extra": other}})  # fmt: skip
+    await store_credentials.ensure_copy(kube, "hf", team, home, store_credentials.HF_KEYS)
+    copy = cluster.get(f"/api/v1/namespaces/{team}/secrets/hf")
+    assert copy["data"] == {"HF_TOKEN": token}, "only HF_TOKEN is copied"
+    assert copy["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "lorafleet-operator"
+    # the store keys are not what this copy carries
+    await store_credentials.ensure_copy(kube, "hf", team, home)
+    assert cluster.get(f"/api/v1/namespaces/{team}/secrets/hf")["data"] == {"HF_TOKEN": token}

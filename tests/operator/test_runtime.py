@@ -233,3 +233,61 @@ def test_router_keeps_a_handed_over_name_routable_through_the_deleted_owner() ->
     table.on_model("MODIFIED", successor)
     table.on_pod("ADDED", pod_body("w", "127.0.0.9", True, BASE))
     assert table.resolve("org/x") == ("adapter", ["http://127.0.0.9:8000"])  # until "new" publishes its own
+
+
+async def test_own_watch_puts_one_finalizer_and_releases_it_after_unloading(
+    mgmt_workers: list[MgmtWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against a real API server: the runtime's DynamoModel watch (not kopf) adds
+    ``nvidia.com/finalizer`` once, writes nothing else to the object but its status, and on
+    deletion unloads the adapter before it removes the finalizer (issue 13, outcome 6)."""
+    from lorafleet_devcluster.rawstack import install_crd
+    from lorafleet_devcluster.session import shared_cluster
+    from lorafleet_operator.handlers import FINALIZER, kube_status_writer
+    from lorafleet_operator.kube import KubeClient
+
+    with shared_cluster() as kcluster:
+        install_crd(kcluster)
+        ns = kcluster.new_namespace("own-watch")
+        monkeypatch.setenv("KUBECONFIG", str(kcluster.kubeconfig))
+        kube = KubeClient.from_environment()
+        settings = Settings(namespaces=(ns,), default_replicas=2, reconcile_workers=2, drift_interval=3600)
+        client = WorkerClient(call_timeout=2, load_timeout=5, backoff=0.01)
+        reconciler = Reconciler(client, management_port=mgmt_workers[0].port, ledger=MemoryLedger(), unload_grace=0)
+        runtime = Runtime(settings, reconciler, kube_status_writer(kube), kube)
+        for i, w in enumerate(mgmt_workers):
+            runtime.on_pod("ADDED", pod_body(f"worker-{i}", w.host, True, BASE, namespace=ns))
+        runtime.start()
+        runtime.watch_models()
+        path = f"/apis/nvidia.com/v1alpha1/namespaces/{ns}/dynamomodels"
+        body = {"apiVersion": "nvidia.com/v1alpha1", "kind": "DynamoModel", "metadata": {"name": "fin"},
+                "spec": {"modelName": "own/fin", "baseModelName": BASE, "modelType": "lora",
+                         "source": {"uri": "s3://bucket/fin"}}}  # fmt: skip
+        try:
+            kcluster.kube.post(path, body)
+            placed = set(place("own/fin", [f"worker-{j}" for j in range(5)], 2))
+
+            async def until(check: Any, what: str) -> None:
+                deadline = time.monotonic() + 30
+                while not check():
+                    assert time.monotonic() < deadline, what
+                    await asyncio.sleep(0.05)
+
+            def obj() -> dict[str, Any]:
+                return kcluster.get(f"{path}/fin")
+
+            await until(lambda: (obj().get("status") or {}).get("phase") == "Ready", "Ready")
+            meta = obj()["metadata"]
+            assert meta["finalizers"] == [FINALIZER]
+            assert not meta.get("annotations"), "no kopf progress or diff-base annotations"
+            holders = {f"worker-{i}" for i, w in enumerate(mgmt_workers) if "own/fin" in w.loras}
+            assert holders == placed
+            await until(runtime.idle, "runtime idle")
+            kcluster.kubectl("delete", "dynamomodel", "fin", "-n", ns, "--wait=false")
+            await until(lambda: not kcluster.exists(f"{path}/fin"), "object released and gone")
+            assert not any("own/fin" in w.loras for w in mgmt_workers), "unloaded before the finalizer went"
+            assert sum(1 for w in mgmt_workers for m, n in w.calls if (m, n) == ("DELETE", "own/fin")) == 2
+        finally:
+            await runtime.stop()
+            await kube.close()
+            kcluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

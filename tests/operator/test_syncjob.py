@@ -82,7 +82,10 @@ class Kube:
         return self.jobs.get(path.rsplit("/", 1)[1])
 
     async def create(self, path: str, body: dict) -> dict:
-        self.jobs[body["metadata"]["name"]] = body
+        if path.endswith("/secrets"):  # a Secret copied where the Job runs (store_credentials)
+            self.secrets[f"{body['metadata']['namespace']}/{body['metadata']['name']}"] = body
+        else:
+            self.jobs[body["metadata"]["name"]] = body
         return body
 
     async def delete(self, path: str, body: dict | None = None) -> None:
@@ -151,6 +154,9 @@ async def test_private_repo_resolves_with_the_token_secret_and_a_moved_branch_sy
         jobs._token = None  # the Secret appeared (re-read every revision interval anyway)
         ok = await jobs.ensure(m, source)
         assert ok.state == "running" and ok.revision == first
+        # the Job runs in the DynamoModel's namespace, where its pod reads HF_TOKEN: a copy is made there
+        assert kube.secrets["ns/hf-token"]["data"] == kube.secrets["lorafleet/hf-token"]["data"]
+        assert kube.secrets["ns/hf-token"]["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "lorafleet-operator"
         assert kube.jobs[ok.job_name]["metadata"]["annotations"][REVISION_ANNOTATION] == first
         moved = hub.commit("org/private", {**FILES, "adapter_model.safetensors": b"new weights"})
         again = await jobs.ensure(m, source)  # re-resolved: a new commit, a new Job

@@ -37,7 +37,33 @@ ClusterRoles. They list exactly what the code calls (SPEC §7); no wildcards.
   resources: [configmaps]
   resourceNames: [lorafleet-adapters]
   verbs: [get, patch]
-# Leader election of several replicas (--leader-elect): the Lease lorafleet-operator.
+{{- with include "lorafleet.copiedSecrets" . | fromJsonArray }}
+# Sync Jobs read the store keys and HF_TOKEN in their own namespace: the operator keeps copies of
+# the store Secret and the HF token Secret there (create; get/update of those names only).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
+- apiGroups: [""]
+  resources: [secrets]
+  resourceNames: {{ toJson . }}
+  verbs: [get, update]
+{{- end }}
+{{- end }}
+
+{{/* The Secrets copied where sync Jobs run (JSON list; empty when Jobs run only in the release
+namespace): the store Secret, and the HF token Secret when an object store is configured. */}}
+{{- define "lorafleet.copiedSecrets" -}}
+{{- $elsewhere := or (eq .Values.rbac.scope "cluster") (without .Values.rbac.watchNamespaces .Release.Namespace) }}
+{{- $names := list }}
+{{- if and $elsewhere (ne .Values.store.mode "none") }}
+{{- with include "lorafleet.storeSecret" . }}{{ $names = append $names . }}{{ end }}
+{{- with .Values.huggingface.tokenSecret }}{{ $names = append $names . }}{{ end }}
+{{- end }}
+{{- toJson $names }}
+{{- end }}
+
+{{/* Leader election (operator.replicas > 1): the Lease lorafleet-operator in the release namespace. */}}
+{{- define "lorafleet.leaderRules" -}}
 - apiGroups: [coordination.k8s.io]
   resources: [leases]
   verbs: [create]
@@ -45,23 +71,6 @@ ClusterRoles. They list exactly what the code calls (SPEC §7); no wildcards.
   resources: [leases]
   resourceNames: [lorafleet-operator]
   verbs: [get, update]
-{{- if include "lorafleet.copiesStoreSecret" . }}
-# Sync Jobs read the store keys in their own namespace: the operator keeps a copy of the store
-# Secret there (create; get/update of that one name only).
-- apiGroups: [""]
-  resources: [secrets]
-  verbs: [create]
-- apiGroups: [""]
-  resources: [secrets]
-  resourceNames: [{{ include "lorafleet.storeSecret" . }}]
-  verbs: [get, update]
-{{- end }}
-{{- end }}
-
-{{/* "true" when sync Jobs may run outside the release namespace and need a copy of the store Secret. */}}
-{{- define "lorafleet.copiesStoreSecret" -}}
-{{- $elsewhere := or (eq .Values.rbac.scope "cluster") (without .Values.rbac.watchNamespaces .Release.Namespace) }}
-{{- if and (include "lorafleet.storeSecret" .) $elsewhere }}true{{ end }}
 {{- end }}
 
 {{- define "lorafleet.routerRules" -}}

@@ -102,7 +102,7 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
             unload_grace=settings.unload_grace,
             autoscaler=Autoscaler(cooldown=settings.autoscale_cooldown),
         )
-        runtime = handlers.Runtime(settings, reconciler, handlers.kube_status_writer(kube))
+        runtime = handlers.Runtime(settings, reconciler, handlers.kube_status_writer(kube), kube)
         liveness = f"http://{settings.bind_host}:{settings.liveness_port}/healthz" if settings.liveness_port else None
 
         async def operate() -> None:

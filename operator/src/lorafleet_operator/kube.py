@@ -131,6 +131,9 @@ class KubeClient:
     async def merge_patch(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         return await self.request("PATCH", path, body, content_type="application/merge-patch+json")
 
+    async def json_patch(self, path: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        return await self.request("PATCH", path, ops, content_type="application/json-patch+json")
+
     async def delete(self, path: str, body: Mapping[str, Any] | None = None) -> None:
         try:
             await self.request("DELETE", path, body)
@@ -173,12 +176,19 @@ class Informer:
     """
 
     def __init__(
-        self, kube: KubeClient, path: str, handler: EventHandler, *, label_selector: str | None = None
+        self,
+        kube: KubeClient,
+        path: str,
+        handler: EventHandler,
+        *,
+        label_selector: str | None = None,
+        page_size: int = 500,
     ) -> None:
         self.kube = kube
         self.path = path
         self.handler = handler
         self.params = {"labelSelector": label_selector} if label_selector else {}
+        self.page_size = page_size  # the list is read in pages (10,000 objects are not one response)
         self.synced = asyncio.Event()
         self._known: dict[str, dict[str, Any]] = {}
 
@@ -192,19 +202,29 @@ class Informer:
         if result is not None:
             await result
 
+    async def _list(self) -> tuple[list[dict[str, Any]], str]:
+        """Every object (one consistent snapshot, read in pages) and the list's resourceVersion."""
+        items: list[dict[str, Any]] = []
+        params = {**self.params, "limit": str(self.page_size)}
+        while True:
+            page = await self.kube.request("GET", self.path, params=params, timeout=120)
+            items += page.get("items") or []
+            meta = page.get("metadata") or {}
+            if not meta.get("continue"):
+                return items, str(meta.get("resourceVersion", ""))
+            params = {**params, "continue": meta["continue"]}
+
     async def run(self) -> None:
         backoff = 0.5
         while True:
             try:
-                listing = await self.kube.request("GET", self.path, params=self.params)
-                items = listing.get("items") or []
+                items, version = await self._list()
                 seen = {(i.get("metadata") or {}).get("uid") for i in items}
                 for uid in [u for u in self._known if u not in seen]:
                     await self._emit("DELETED", self._known[uid])
                 for item in items:
                     await self._emit("MODIFIED", item)
                 self.synced.set()
-                version = (listing.get("metadata") or {}).get("resourceVersion", "")
                 backoff = 0.5
                 while True:
                     async for event in self.kube.watch(self.path, {**self.params, "resourceVersion": version}):

@@ -21,7 +21,9 @@ One pass:
    another URI (hot swap); listings are cached per pod for ``listing_ttl`` (the drift pass
    refreshes them).
 5. make-before-break: until every placed pod holds the target, ``status.endpoints`` also lists
-   the pods that still hold the adapter (old placement, or the old version during a swap).
+   the pods that still hold the adapter (old placement, or the old version during a swap);
+   that status is published before the loads. A first load (nothing served or held) publishes
+   ``Loading`` only if it takes longer than ``progress_after`` seconds.
    Pods that left the placement are unloaded only once the status already published shows the
    new placement fully loaded and ``unload_grace`` seconds passed (routers saw it).
 6. a worker's 400 on a first load ends the model in ``Failed/AdapterInvalid`` until the source
@@ -119,6 +121,7 @@ class Reconciler:
         unload_grace: float = 5.0,
         balance_epsilon: float | None = None,
         autoscaler: Autoscaler | None = None,
+        progress_after: float = 1.0,
     ) -> None:
         self.client = client
         self.default_replicas = default_replicas
@@ -132,6 +135,7 @@ class Reconciler:
         self.unload_grace = unload_grace
         self.balance_epsilon = balance_epsilon
         self.autoscaler = autoscaler or Autoscaler()
+        self.progress_after = progress_after  # a first load publishes "Loading" only once it takes this long
         self._listings: dict[str, _Listing] = {}
         self._listing_locks: dict[str, asyncio.Lock] = {}
         self._loaded: dict[tuple[str, str], str] = {}  # (pod uid, lora name) -> URI we loaded / adopted
@@ -200,6 +204,21 @@ class Reconciler:
                 return cached.names
             return await self._fetch_listing(pod)
 
+    async def _listings_of(self, pods: Sequence[Pod]) -> dict[Pod, set[str] | None]:
+        """``listing`` of each pod: cached ones at once, only stale ones fetched (concurrently)."""
+        now = time.monotonic()
+        out: dict[Pod, set[str] | None] = {}
+        stale: list[Pod] = []
+        for pod in pods:
+            cached = self._listings.get(pod.uid)
+            if cached is not None and now - cached.fetched < self.listing_ttl:
+                out[pod] = cached.names
+            else:
+                stale.append(pod)
+        if stale:
+            out.update(zip(stale, await asyncio.gather(*(self.listing(p) for p in stale)), strict=True))
+        return out
+
     def _note(self, pod: Pod, name: str, uri: str | None) -> None:
         listing = self._listings.get(pod.uid)
         if uri is None:
@@ -254,7 +273,7 @@ class Reconciler:
             return self._done(model, obs.observe(st.PENDING, cond), ok=True)
 
         live = sorted(p for p in pods if (p.ready or p.serving) and p.ip)  # terminating pods still serve
-        listings = dict(zip(live, await asyncio.gather(*(self.listing(p) for p in live)), strict=True))
+        listings = await self._listings_of(live)
         placement = self._place(model.model_name, ready_pods, replicas, listings)
         self._count_churn(model, [p.name for p in placement])
         short = min(replicas, len(ready_pods)) - len(placement)  # replicas no pod has room for
@@ -272,7 +291,15 @@ class Reconciler:
         leavers = [p for p in live if p in holding and p not in placement]
         if to_load:
             await self.ledger.claim(model.namespace, model.base_hash, model.model_name)
-            if progress is not None:
+        loads = asyncio.ensure_future(asyncio.gather(*(self._load(model, p, target) for p in to_load)))
+        if to_load and progress is not None:
+            # Something is served (or held): publish old holders next to the new placement before
+            # loading (make-before-break). A first load protects nothing: "Loading" is published
+            # only if it takes longer than ``progress_after`` (a cold start of thousands of quick
+            # loads then costs one status write per model, not two).
+            if served is None and not holding:
+                await asyncio.wait({loads}, timeout=self.progress_after)
+            if not loads.done():
                 loading = obs.endpoints_of(placement, holding, leavers, self.port)
                 cond = st.Condition("EndpointsReady", False, st.LOADING_REASON, f"loading on {len(to_load)} pod(s)")
                 obs.routable = served is not None
@@ -280,7 +307,7 @@ class Reconciler:
                 if st.status_patch(new, model.status):
                     await progress(new)
 
-        outcomes = await asyncio.gather(*(self._load(model, p, target) for p in to_load))
+        outcomes = await loads
         errors = {p.name: e for p, e in zip(to_load, outcomes, strict=True) if e is not None}
         invalid = [e for e in errors.values() if e.invalid]
         if invalid and target == source.uri:
@@ -510,19 +537,25 @@ class Reconciler:
         self, model_name: str, ready_pods: list[Pod], replicas: int, listings: Mapping[Pod, set[str] | None]
     ) -> list[Pod]:
         """The pods for ``model_name``: its HRW order, skipping full pods (see the module docstring)."""
-        others = {p.name: len((listings[p] or set()) - {model_name}) for p in ready_pods}
-        capacity = {p.name: (self._listings[p.uid].capacity if p.uid in self._listings else None) for p in ready_pods}
-        holding = {p.name for p in ready_pods if model_name in (listings[p] or ())}
-        total = sum(others.values()) + min(replicas, len(ready_pods))
-        bound = None if self.balance_epsilon is None else load_bound(total, len(ready_pods), self.balance_epsilon)
-
-        def has_room(pod: str) -> bool:
-            cap = capacity[pod]
-            if cap is not None and others[pod] >= cap:
-                return False
-            return bound is None or pod in holding or others[pod] < bound  # never evicted for balance alone
-
         by_name = {p.name: p for p in ready_pods}
+
+        def others(pod: str) -> int:  # adapters other than this one on ``pod`` (no copy of its listing)
+            names = listings[by_name[pod]] or set()
+            return len(names) - (model_name in names)
+
+        bound = None
+        if self.balance_epsilon is not None:
+            total = sum(others(p.name) for p in ready_pods) + min(replicas, len(ready_pods))
+            bound = load_bound(total, len(ready_pods), self.balance_epsilon)
+
+        def has_room(pod: str) -> bool:  # asked only along the model's HRW order, until it is placed
+            listing = self._listings.get(by_name[pod].uid)
+            cap = listing.capacity if listing is not None else None
+            if cap is not None and others(pod) >= cap:
+                return False
+            holds = model_name in (listings[by_name[pod]] or ())
+            return bound is None or holds or others(pod) < bound  # never evicted for balance alone
+
         return [by_name[n] for n in place_within(model_name, by_name, replicas, has_room)]
 
     def _count_churn(self, model: Model, placement: list[str]) -> None:

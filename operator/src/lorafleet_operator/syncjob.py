@@ -224,7 +224,11 @@ class SyncJobs:
         if job is None:  # not seen on the watch (yet): ask once
             job = await self.kube.get(f"{path}/{name}")
         if job is None or job_state(job)[0] == "running":  # the Job's pod reads the keys in its namespace
-            await store_credentials.ensure_copy(self.kube, self.settings.store_secret, model.namespace)
+            home = self.secret_namespace or None
+            await store_credentials.ensure_copy(self.kube, self.settings.store_secret, model.namespace, home)
+            await store_credentials.ensure_copy(
+                self.kube, self.settings.hf_token_secret, model.namespace, home, store_credentials.HF_KEYS
+            )
         if job is None:
             job = await self._create(model, source, sha, path, name, attempt=1)
         state, message = job_state(job)
