@@ -3,10 +3,11 @@
 The torch decode path (`attention._torch_decode`) gathers every sequence's blocks into a padded
 [B, max_blocks * block_size, KVH, D] copy on every layer of every decode step and then runs masked SDPA:
 at concurrency 32 the copy alone was a quarter of decode attention. This kernel walks the block table
-instead: for each (sequence, KV head) it reads each key row once from its block, scores the G query
-heads of that KV head against it (GQA without copying K/V), takes the softmax and accumulates the
-value rows the same way. Work is split over (sequence, KV head) with ATen's thread pool; float32 and
-bfloat16 caches (bf16 is widened to float32 in registers, the sums are float32).
+instead: for each sequence it reads each token's key row (all KV heads, contiguous in the block) once,
+scores every query head against its KV head's slice (GQA without copying K/V), takes the softmax and
+accumulates the value rows the same way, so a sequence's blocks are read front to back. Work is split
+over sequences with ATen's thread pool; float32 and bfloat16 caches (bf16 rows are widened to float32,
+the sums are float32).
 
 It is compiled at first use with `torch.utils.cpp_extension.load_inline` (g++ and ninja, about a
 minute once; the build is cached under `$TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`).
@@ -33,10 +34,23 @@ _SOURCE = r"""
 #include <vector>
 
 template <typename T>
+static inline const float* as_float(const T* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+
+template <>
+inline const float* as_float<float>(const float* src, float*, int64_t) {
+  return src;
+}
+
+// One work item per sequence: each token's K (then V) row of all KV heads is contiguous in its block
+// ([block, offset, KVH, D]), so a sequence's blocks are read front to back, each byte once.
+template <typename T>
 static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
                         const at::Tensor& lens, at::Tensor& out, double scale, int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = kc.size(1), KVH = kc.size(2), G = H / KVH, maxb = bt.size(1);
+  const int64_t bs = kc.size(1), KVH = kc.size(2), G = H / KVH, maxb = bt.size(1), row_len = KVH * D;
   const T* qp = q.data_ptr<T>();
   const T* kp = kc.data_ptr<T>();
   const T* vp = vc.data_ptr<T>();
@@ -44,59 +58,57 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), row(D), scores;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / KVH, h = i % KVH;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), acc(H * D), row(row_len), scores, denom(H);
+    for (int64_t b = begin; b < end; ++b) {
       const int64_t len = lp[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
-      scores.resize(G * n);
-      const T* qb = qp + (b * H + h * G) * D;
-      for (int64_t j = 0; j < G * D; ++j) qf[j] = static_cast<float>(qb[j]) * fscale;
+      scores.resize(H * n);
+      const T* qb = qp + b * H * D;
+      for (int64_t j = 0; j < H * D; ++j) qf[j] = static_cast<float>(qb[j]) * fscale;
       const int32_t* table = btp + b * maxb;
       for (int64_t t = 0; t < n; ++t) {
         const int64_t pos = first + t;
-        const T* kr = kp + ((static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * KVH + h) * D;
-        float* rf = row.data();
-        for (int64_t d = 0; d < D; ++d) rf[d] = static_cast<float>(kr[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
+        const T* kr = kp + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_len;
+        const float* rf = as_float<T>(kr, row.data(), row_len);
+        for (int64_t hh = 0; hh < H; ++hh) {  // query head hh reads KV head hh / G
+          const float* qh = qf.data() + hh * D;
+          const float* kh = rf + (hh / G) * D;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * rf[d];
-          scores[g * n + t] = s;
+          for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+          scores[hh * n + t] = s;
         }
       }
-      std::vector<float> denom(G);
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * n;
+      for (int64_t hh = 0; hh < H; ++hh) {
+        float* sh = scores.data() + hh * n;
         float m = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
+        for (int64_t t = 0; t < n; ++t) m = std::max(m, sh[t]);
         float sum = 0.f;
         for (int64_t t = 0; t < n; ++t) {
-          sg[t] = std::exp(sg[t] - m);
-          sum += sg[t];
+          sh[t] = std::exp(sh[t] - m);
+          sum += sh[t];
         }
-        denom[g] = sum;
+        denom[hh] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < n; ++t) {
         const int64_t pos = first + t;
-        const T* vr = vp + ((static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * KVH + h) * D;
-        float* rf = row.data();
-        for (int64_t d = 0; d < D; ++d) rf[d] = static_cast<float>(vr[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * n + t];
-          float* ag = acc.data() + g * D;
+        const T* vr = vp + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_len;
+        const float* rf = as_float<T>(vr, row.data(), row_len);
+        for (int64_t hh = 0; hh < H; ++hh) {
+          const float p = scores[hh * n + t];
+          const float* vh = rf + (hh / G) * D;
+          float* ah = acc.data() + hh * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * rf[d];
+          for (int64_t d = 0; d < D; ++d) ah[d] += p * vh[d];
         }
       }
-      T* ob = op + (b * H + h * G) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / denom[g];
-        for (int64_t d = 0; d < D; ++d) ob[g * D + d] = static_cast<T>(acc[g * D + d] * inv);
+      T* ob = op + b * H * D;
+      for (int64_t hh = 0; hh < H; ++hh) {
+        const float inv = 1.f / denom[hh];
+        for (int64_t d = 0; d < D; ++d) ob[hh * D + d] = static_cast<T>(acc[hh * D + d] * inv);
       }
     }
   });
@@ -134,7 +146,7 @@ def _module() -> Any | None:
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name="lorafleet_cpu_attention_v1",
+            name="lorafleet_cpu_attention_v2",
             cpp_sources=[_SOURCE],
             functions=["paged_decode"],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
