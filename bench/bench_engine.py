@@ -65,6 +65,7 @@ from common import (
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 64
+DTYPES = ("float32", "bfloat16")
 MAX_MODEL_LEN = PROMPT_LEN * 3 // 2 + OUTPUT_LEN * 7 // 4 + 16  # fits the varied workload
 QV_RANKS = (8, 8, 8, 16)
 QV_TARGETS = ("q_proj", "v_proj")
@@ -173,6 +174,7 @@ def run_lorafleet(
     device: str,
     workload: str = "uniform",
     breakdown_c: int = 0,
+    dtype: str = "float32",
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Throughput passes at each concurrency, then (if `breakdown_c`) one timed pass: ms per decode-step part."""
     from lorafleet_worker.engine import Engine
@@ -183,6 +185,7 @@ def run_lorafleet(
     engine = Engine(
         model,
         device=device,
+        dtype=dtype,
         max_loras=spec.max_loras,
         max_cpu_loras=max(64, len(adapters)),
         max_lora_rank=64,
@@ -246,13 +249,13 @@ async def one_pass(engine: Any, params_cls: Any, reqs: list[Request], c: int) ->
 # ---------------------------------------------------------------------------- transformers + PEFT
 
 
-def load_peft(model: Path, adapters: list[tuple[str, Path]], device: str) -> Any:
-    """The transformers model, wrapped by PEFT with the scenario's adapters (if any)."""
+def load_peft(model: Path, adapters: list[tuple[str, Path]], device: str, dtype: str = "float32") -> Any:
+    """The transformers model in `dtype`, wrapped by PEFT with the scenario's adapters (if any)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     auto: Any = AutoModelForCausalLM
-    hf: Any = auto.from_pretrained(model, dtype=torch.float32).to(device).eval()
+    hf: Any = auto.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
     if adapters:
         from peft import PeftModel
 
@@ -327,10 +330,10 @@ def peft_pass(hf: Any, reqs: list[Request], c: int, device: str) -> dict[str, An
 
 
 def run_peft(
-    model: Path, scenario: str, concurrencies: list[int], device: str, workload: str = "uniform"
+    model: Path, scenario: str, concurrencies: list[int], device: str, workload: str = "uniform", dtype: str = "float32"
 ) -> list[dict[str, Any]]:
     adapters = scenario_adapters(scenario, model)
-    hf = load_peft(model, adapters, device)
+    hf = load_peft(model, adapters, device, dtype)
     names = [n for n, _ in adapters]
     vocab = hf.config.vocab_size
     peft_generate(hf, requests_for(1, names, vocab)[:1], device)  # warm-up
@@ -403,10 +406,10 @@ def child(args: argparse.Namespace) -> None:
     breakdown: dict[str, float] = {}
     if args.system == "lorafleet":
         results, breakdown = run_lorafleet(
-            model, args.scenario, args.concurrency, args.device, args.workload, args.breakdown_concurrency
+            model, args.scenario, args.concurrency, args.device, args.workload, args.breakdown_concurrency, args.dtype
         )
     else:
-        results = run_peft(model, args.scenario, args.concurrency, args.device, args.workload)
+        results = run_peft(model, args.scenario, args.concurrency, args.device, args.workload, args.dtype)
     out: dict[str, Any] = {"results": results, "peak_rss_mib": round(peak_rss_mib(), 1)}
     if breakdown:
         out["decode_breakdown_ms"] = breakdown
@@ -449,11 +452,15 @@ def main() -> None:
     ap.add_argument("--ab", type=int, metavar="ROUNDS", help="interleaved A/B in one process (bench/engine_ab.json)")
     ap.add_argument("--breakdown-concurrency", type=int, default=32, metavar="C",
                     help="time the parts of lorafleet's decode steps in one more pass at C (0: skip)")  # fmt: skip
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=DTYPES,
+                    help="weights and KV cache of both systems; several: each (scenario, system) runs in each "
+                         "dtype back to back; keys of runs not in float32 end in @dtype")  # fmt: skip
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--system", help=argparse.SUPPRESS)
     ap.add_argument("--scenario", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
+        args.dtype = args.dtype[0]
         child(args)
         return
     if args.quick:
@@ -471,39 +478,52 @@ def main() -> None:
     runs: dict[str, dict[str, Any]] = dict(previous["runs"]) if previous else {}
     rooflines: dict[str, dict[str, Any]] = dict(previous.get("roofline", {})) if previous else {}
     machines: dict[str, dict[str, Any]] = {}
-    for scenario in args.scenarios:  # both systems back to back: they see the same machine load
-        for system in args.systems:
-            log(f"running {system} / {scenario} at concurrency {args.concurrency}")
-            cmd = [sys.executable, __file__, "--child", "--system", system, "--scenario", scenario, "--device",
-                   args.device, "--workload", args.workload, "--concurrency", *map(str, args.concurrency),
-                   "--breakdown-concurrency", str(args.breakdown_concurrency)]  # fmt: skip
-            t0 = time.time()
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
-            run = json.loads(proc.stdout.strip().splitlines()[-1])
-            run["started"] = time.strftime("%H:%M:%S", time.gmtime(t0))
-            run["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
-            runs[f"{system}/{scenario}"] = run
-            if "decode_breakdown_ms" in run:
-                entry = roofline_of(scenario, args.breakdown_concurrency, machines)
-                entry.update(roofline.distance(run["decode_breakdown_ms"], entry["floors_ms"]))
-                rooflines[scenario] = entry
-            models = {s: str(scenario_model(s)) for s in SCENARIOS if any(k.endswith(f"/{s}") for k in runs)}
-            model_info = {"prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "models": models}
-            write_json(
-                out_name,
-                {
-                    "workload": args.workload,
-                    "machine": machine(),
-                    "model": model_info,
-                    "runs": runs,
-                    "ratios": ratios(runs),
-                    "roofline": rooflines,
-                },
-            )
+    # both systems (and every dtype) back to back: they see the same machine load
+    for scenario, dtype, system in itertools.product(args.scenarios, args.dtype, args.systems):
+        log(f"running {system} / {scenario} ({dtype}) at concurrency {args.concurrency}")
+        breakdown_c = args.breakdown_concurrency if dtype == "float32" else 0  # the roofline is float32's
+        cmd = [sys.executable, __file__, "--child", "--system", system, "--scenario", scenario, "--device",
+               args.device, "--workload", args.workload, "--concurrency", *map(str, args.concurrency),
+               "--breakdown-concurrency", str(breakdown_c), "--dtype", dtype]  # fmt: skip
+        t0 = time.time()
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+        run = json.loads(proc.stdout.strip().splitlines()[-1])
+        run["started"] = time.strftime("%H:%M:%S", time.gmtime(t0))
+        run["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+        run["dtype"] = dtype
+        runs[run_key(system, scenario, dtype)] = run
+        if "decode_breakdown_ms" in run:
+            entry = roofline_of(scenario, args.breakdown_concurrency, machines)
+            entry.update(roofline.distance(run["decode_breakdown_ms"], entry["floors_ms"]))
+            rooflines[scenario] = entry
+        models = {s: str(scenario_model(s)) for s in SCENARIOS if any(scenario_of(k) == s for k in runs)}
+        model_info = {"prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "models": models}
+        write_json(
+            out_name,
+            {
+                "workload": args.workload,
+                "machine": machine(),
+                "model": model_info,
+                "runs": runs,
+                "ratios": ratios(runs),
+                "roofline": rooflines,
+            },
+        )
+
+
+def scenario_of(key: str) -> str:
+    """The scenario of a run key (`system/scenario[@dtype]`)."""
+    return key.partition("/")[2].partition("@")[0]
+
+
+def run_key(system: str, scenario: str, dtype: str) -> str:
+    """`system/scenario` in float32, `system/scenario@dtype` in another dtype."""
+    return f"{system}/{scenario}" + ("" if dtype == "float32" else f"@{dtype}")
 
 
 def ratios(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Throughput ratios per (concurrency, scenario) present in `runs`."""
+    """Throughput ratios per (concurrency, scenario[@dtype]) present in `runs`; for a dtype other than
+    float32, also each system in that dtype ÷ the same system in float32 (`vs_float32`)."""
 
     def tok_s(key: str, c: int) -> float | None:
         for r in runs.get(key, {}).get("results", []):
@@ -512,19 +532,28 @@ def ratios(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         return None
 
     concurrencies = sorted({r["concurrency"] for run in runs.values() for r in run["results"]})
-    scenarios = [s for s in SCENARIOS if any(k.endswith(f"/{s}") for k in runs)]
-    return [
-        {
-            "concurrency": c,
-            "scenario": scenario,
-            "lorafleet_vs_base": ratio(
-                tok_s(f"lorafleet/{scenario}", c), tok_s(f"lorafleet/{SCENARIOS[scenario].base}", c)
-            ),
-            "lorafleet_vs_peft": ratio(tok_s(f"lorafleet/{scenario}", c), tok_s(f"peft/{scenario}", c)),
-        }
-        for c in concurrencies
-        for scenario in scenarios
-    ]
+    labels = list(dict.fromkeys(k.partition("/")[2] for k in runs))  # scenario or scenario@dtype
+    labels.sort(key=lambda lab: (list(SCENARIOS).index(lab.partition("@")[0]), lab))
+    out = []
+    for c in concurrencies:
+        for label in labels:
+            scenario, _, dtype = label.partition("@")
+            suffix = f"@{dtype}" if dtype else ""
+            row: dict[str, Any] = {
+                "concurrency": c,
+                "scenario": label,
+                "lorafleet_vs_base": ratio(
+                    tok_s(f"lorafleet/{label}", c), tok_s(f"lorafleet/{SCENARIOS[scenario].base}{suffix}", c)
+                ),
+                "lorafleet_vs_peft": ratio(tok_s(f"lorafleet/{label}", c), tok_s(f"peft/{label}", c)),
+            }
+            if dtype:
+                row["vs_float32"] = {
+                    system: ratio(tok_s(f"{system}/{label}", c), tok_s(f"{system}/{scenario}", c))
+                    for system in ("lorafleet", "peft")
+                }
+            out.append(row)
+    return out
 
 
 if __name__ == "__main__":

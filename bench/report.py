@@ -47,6 +47,12 @@ def engine_section(data: dict[str, Any], name: str) -> list[str]:
     rrows = [[r["scenario"], r["concurrency"], r["lorafleet_vs_base"], r["lorafleet_vs_peft"]] for r in data["ratios"]]
     lines += [table(["scenario", "conc.", "lorafleet ÷ lorafleet-base (target ≥ 0.85)",
                      "lorafleet ÷ PEFT (target ≥ 5)"], rrows), ""]  # fmt: skip
+    drows = [[r["scenario"], r["concurrency"], r["vs_float32"]["lorafleet"], r["vs_float32"]["peft"]]
+             for r in data["ratios"] if "vs_float32" in r]  # fmt: skip
+    if drows:
+        lines += ["### dtype: each system in `@dtype` ÷ the same system in float32 (same run, back to back)", ""]
+        lines += [table(["scenario@dtype", "conc.", "lorafleet ÷ lorafleet float32", "PEFT ÷ PEFT float32"],
+                        drows), ""]  # fmt: skip
     lines += roofline_section(data.get("roofline") or {})
     png = "engine_throughput.png" if workload == "uniform" else f"{name}_throughput.png"
     plot_engine(data, png, workload)

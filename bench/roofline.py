@@ -166,7 +166,7 @@ class StepBreakdown:
 
     def __init__(self, engine: Any) -> None:
         import lorafleet_worker.engine as engine_mod
-        import lorafleet_worker.model as model_mod
+        import lorafleet_worker.model.transformer as model_mod
 
         self.steps: list[dict[str, float]] = []
         self._current: dict[str, float] = {}
@@ -175,8 +175,8 @@ class StepBreakdown:
         self._patch(engine, "_step", self._wrap_step(engine._step))
         self._patch(engine_mod, "sample", self._wrap("sampling", engine_mod.sample))
         self._patch(model_mod, "F", _TimedFunctional(model_mod.F, self._wrap("base_gemms", model_mod.F.linear)))
-        attention = model_mod.DecoderLayer._attention
-        self._patch(model_mod.DecoderLayer, "_attention", self._wrap("attention", attention, watch_batch=True))
+        attention = model_mod.paged_attention
+        self._patch(model_mod, "paged_attention", self._wrap("attention", attention, watch_batch=True))
         if engine.lora_backend is not None:
             self._patch(engine.lora_backend, "apply", self._wrap("lora", engine.lora_backend.apply))
 
@@ -192,8 +192,8 @@ class StepBreakdown:
 
     def _wrap(self, part: str, fn: Callable[..., Any], watch_batch: bool = False) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if watch_batch:  # _attention(self, q, k, v, batch, ...): a step with prefills is not decode-only
-                batch = args[4] if len(args) > 4 else kwargs.get("batch")
+            if watch_batch:  # paged_attention(q, k, v, k_cache, v_cache, batch, ...): prefills = not decode-only
+                batch = args[5] if len(args) > 5 else kwargs.get("batch")
                 if batch is not None and batch.prefills:
                     self._decode_only = False
             t0 = time.perf_counter()

@@ -14,6 +14,7 @@ import torch
 from lorafleet_worker import devices
 from lorafleet_worker.engine import Engine
 from lorafleet_worker.memory import GiB, MemoryBudget, MemoryBudgetError, plan_memory
+from lorafleet_worker.model import cpu_attention
 from lorafleet_worker.sampling import SamplingParams
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -105,6 +106,9 @@ def test_engine_logs_its_choices_and_sizes_the_kv_cache_from_the_budget(
     caplog.set_level(logging.INFO, logger="lorafleet_worker.engine")
     engine = Engine(tiny_models["llama"], max_loras=2, max_lora_rank=8, max_num_seqs=4, memory_budget="64MiB")
     assert engine.dtype == torch.float32 and engine.lora_backend_name == "torch"  # fp32 checkpoint on CPU
+    # decode attention reads the KV blocks in place where the C++ loop builds; the log names the choice
+    assert engine.model.attn_backend == ("cpu" if cpu_attention.available() else "torch")
+    assert f"decode attention: {engine.model.attn_backend}" in caplog.text
     assert engine.max_model_len == engine.config.max_position_embeddings
     plan = engine.memory_plan
     assert plan is not None and plan.budget == 64 << 20

@@ -14,7 +14,7 @@ from lorafleet_worker.batch_builder import build_forward_batch
 from lorafleet_worker.config import ModelConfig, ModelConfigError
 from lorafleet_worker.devtools import make_tiny_model
 from lorafleet_worker.kv_cache import PagedKVCache
-from lorafleet_worker.model import Transformer
+from lorafleet_worker.model import Transformer, cpu_attention
 from lorafleet_worker.sampling import SamplingParams
 from lorafleet_worker.scheduler import ScheduledChunk, Sequence, StepPlan
 from safetensors.torch import load_file, save_file
@@ -47,9 +47,17 @@ def our_logprobs(model: Transformer, ids: list[int], chunks: list[int] = CHUNKS,
     return torch.log_softmax(torch.cat(rows), -1)
 
 
+def decode_backend(name: str) -> str:
+    """A CPU decode-attention backend for the parity tests; the native one where it builds here."""
+    if name == "cpu" and not cpu_attention.available():
+        pytest.skip("the C++ CPU decode attention does not build on this machine")
+    return name
+
+
+@pytest.mark.parametrize("attn", ["torch", "cpu"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_logprobs_match_transformers(tiny_models: Any, arch: str) -> None:
-    model = Transformer.from_pretrained(tiny_models[arch])
+def test_logprobs_match_transformers(tiny_models: Any, arch: str, attn: str) -> None:
+    model = Transformer.from_pretrained(tiny_models[arch], attn_backend=decode_backend(attn))
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
     ids = PROMPT
     ref = hf_logprobs(tiny_models[arch], ids)
@@ -145,7 +153,8 @@ def test_bad_checkpoints_give_clear_errors(tiny_models: Any, tmp_path: Path) -> 
         Transformer.from_pretrained(d)
 
 
-def test_mistral_sliding_window_matches_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("attn", ["torch", "cpu"])
+def test_mistral_sliding_window_matches_transformers(tmp_path: Path, attn: str) -> None:
     from transformers import AutoModelForCausalLM, MistralConfig
 
     cfg = MistralConfig(
@@ -160,11 +169,11 @@ def test_mistral_sliding_window_matches_transformers(tmp_path: Path) -> None:
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path / "mistral")
-    model = Transformer.from_pretrained(tmp_path / "mistral")
-    assert model.config.sliding_window == 5
+    model = Transformer.from_pretrained(tmp_path / "mistral", attn_backend=decode_backend(attn))
+    assert model.config.sliding_window == 5 and model.attn_backend == attn
     ours = our_logprobs(model, PROMPT)
     assert (ours - hf_logprobs(tmp_path / "mistral", PROMPT)).abs().max().item() < 1e-4
-    full = Transformer(dataclasses.replace(model.config, sliding_window=None))
+    full = Transformer(dataclasses.replace(model.config, sliding_window=None), attn_backend=attn)
     full.load_state_dict(model.state_dict())
     assert (our_logprobs(full, PROMPT) - ours).abs().max().item() > 1e-3  # the window really mattered
 

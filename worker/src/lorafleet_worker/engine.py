@@ -35,7 +35,7 @@ from lorafleet_worker.memory import (
     plan_memory,
     weight_bytes,
 )
-from lorafleet_worker.model import LoRAContext, Transformer, parse_dtype
+from lorafleet_worker.model import LoRAContext, Transformer, cpu_attention, parse_dtype
 from lorafleet_worker.sampling import SamplingParams, TokenOutput, make_generator, prompt_logprobs, sample
 from lorafleet_worker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan
 
@@ -77,6 +77,16 @@ def _check_device(device: torch.device, lora_backend: str) -> None:
 
         if not interpreting():
             raise ValueError("the triton LoRA backend needs --device cuda (or TRITON_INTERPRET=1 for tests)")
+
+
+def _attention_backend(lora_backend: str, device: torch.device) -> str:
+    """The paged decode attention: the Triton kernel goes with the Triton LoRA backend (on CUDA, or
+    interpreted in tests); on CPU the C++ loop that reads KV blocks in place where it builds, else torch."""
+    if lora_backend == "triton":
+        return "triton"
+    if device.type == "cpu" and cpu_attention.available():
+        return "cpu"
+    return "torch"
 
 
 def _max_model_len(config: ModelConfig, requested: int | None) -> int:
@@ -168,8 +178,8 @@ class Engine:
                     f"num_kv_blocks={num_kv_blocks} x block_size={block_size} cannot hold one sequence of "
                     f"max_model_len={self.max_model_len}"
                 )
-        # The Triton paged-attention kernel goes with the Triton LoRA backend (on CUDA, or interpreted in tests).
-        attn_backend = "triton" if backend_name == "triton" else "torch"
+        attn_backend = _attention_backend(backend_name, self.device)
+        log.info("decode attention: %s", attn_backend)
         self.model = Transformer.from_pretrained(
             self.model_dir, device=self.device, dtype=self.dtype, config=self.config, attn_backend=attn_backend
         )

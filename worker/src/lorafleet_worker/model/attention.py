@@ -1,9 +1,10 @@
-"""Attention over the paged KV cache for one layer of the flat batch, with two decode backends.
+"""Attention over the paged KV cache for one layer of the flat batch, with three decode backends.
 
 The step's K/V are written into the layer's cache first. Prefill chunks attend with torch SDPA (a fresh
 prompt over its own K/V, a later chunk over its cached context). Decode tokens attend with the `"torch"`
-backend (gather each sequence's blocks, masked SDPA) or the `"triton"` paged-attention kernel
-(`kernels/paged_attention.py`, no sliding window).
+backend (gather each sequence's blocks, masked SDPA), the `"cpu"` C++ loop that reads the blocks in place
+(`cpu_attention.py`) or the `"triton"` paged-attention kernel (`kernels/paged_attention.py`, no sliding
+window).
 
 Shapes: q [T, H, D], k/v [T, KVH, D]; caches [num_blocks, block_size, KVH, D] (`kv_cache.py`).
 """
@@ -14,11 +15,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lorafleet_worker.model import cpu_attention
 from lorafleet_worker.model.forward_batch import ForwardBatch
 
 
 def paged_attention(
-    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, batch: ForwardBatch, scale: float, backend: str
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    backend: str,
+    window: int | None = None,
 ) -> Tensor:
     """Store k/v at `batch.slot_mapping`, then attend: decode rows first, then each prefill chunk."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -27,8 +37,13 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = batch.num_decode
     if nd:
-        decode = _triton_decode if backend == "triton" else _torch_decode
-        out[:nd] = decode(q[:nd], k_cache, v_cache, batch, scale)
+        if backend == "cpu":
+            out[:nd] = cpu_attention.paged_decode(
+                q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, scale, window
+            )
+        else:
+            decode = _triton_decode if backend == "triton" else _torch_decode
+            out[:nd] = decode(q[:nd], k_cache, v_cache, batch, scale)
     for p in batch.prefills:
         sl = slice(p.start, p.start + p.num_tokens)
         if p.context_len == p.num_tokens:  # fresh prompt: attend to the chunk's own k/v

@@ -39,13 +39,14 @@ class ForwardBatch:
     lora: LoRAContext | None = None
     decode_mask: Tensor | None = None  # bool [num_decode, 1, 1, max_blocks * block_size] (torch attention)
 
-    def prepare_masks(self, block_size: int, window: int | None) -> None:
+    def prepare_masks(self, block_size: int, window: int | None, decode: bool = True) -> None:
         """Build the attention masks of the torch path once per step (shared by every layer).
 
         `window`: sliding-window size (a query at position p sees keys p - window < k <= p), None = full.
+        `decode`: also the decode mask (only the torch decode backend reads it).
         """
         device = self.positions.device
-        if self.num_decode:
+        if self.num_decode and decode:
             keys = torch.arange(self.decode_block_tables.shape[1] * block_size, device=device)[None, :]
             lens = self.decode_seq_lens[:, None]
             mask = keys < lens

@@ -63,6 +63,7 @@ class DecoderLayer(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.head_dim**-0.5
+        self.window = config.sliding_window
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.qkv_w, self.qkv_b = _linear_params(self.q_size + 2 * self.kv_size, config.hidden_size, bias.qkv)
@@ -92,7 +93,9 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn = paged_attention(q, k, v, kv.k_caches[self.idx], kv.v_caches[self.idx], batch, self.scale, attn_backend)
+        attn = paged_attention(
+            q, k, v, kv.k_caches[self.idx], kv.v_caches[self.idx], batch, self.scale, attn_backend, self.window
+        )
         h = h + self._proj(attn.reshape(t, self.q_size), self.o_w, self.o_b, "o", lora)
         x = self.mlp_norm(h)
         gate_up = self._proj(x, self.gate_up_w, self.gate_up_b, "gate_up", lora)
@@ -107,7 +110,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         # the Triton decode kernel has no sliding window: such models keep the torch attention
-        self.attn_backend = "torch" if config.sliding_window else attn_backend
+        self.attn_backend = "torch" if config.sliding_window and attn_backend == "triton" else attn_backend
         bias = bias or BiasFlags(qkv=config.attention_bias)
         self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(config, i, bias) for i in range(config.num_hidden_layers))
@@ -131,7 +134,7 @@ class Transformer(nn.Module):
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> Tensor:
         h = F.embedding(batch.input_ids, self.embed)
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.rope_scale, self.dtype)
-        batch.prepare_masks(kv.block_size, self.config.sliding_window)
+        batch.prepare_masks(kv.block_size, self.config.sliding_window, decode=self.attn_backend == "torch")
         for layer in self.layers:
             h = layer(h, cos, sin, batch, kv, self.attn_backend)
         h = self.norm(h[batch.logits_indices])

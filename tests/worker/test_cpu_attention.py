@@ -1,0 +1,67 @@
+"""The C++ CPU paged decode attention against the torch path (gather the blocks, masked SDPA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lorafleet_worker.model import cpu_attention
+from lorafleet_worker.model.attention import _torch_decode
+from lorafleet_worker.model.forward_batch import ForwardBatch
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the C++ CPU decode attention does not build")
+
+
+def decode_batch(seq_lens: list[int], block_tables: torch.Tensor, block_size: int, window: int | None) -> ForwardBatch:
+    n = len(seq_lens)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(n, dtype=torch.int64),
+        positions=(lens - 1).long(),
+        slot_mapping=torch.zeros(n, dtype=torch.int64),
+        num_decode=n,
+        decode_block_tables=block_tables,
+        decode_seq_lens=lens,
+        prefills=[],
+        logits_indices=torch.arange(n),
+    )
+    batch.prepare_masks(block_size, window)
+    return batch
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2)])
+def test_matches_torch_decode(heads: int, kv_heads: int, dtype: torch.dtype, tol: float, window: int | None) -> None:
+    torch.manual_seed(0)
+    block_size, head_dim, num_blocks = 4, 16, 40
+    seq_lens = [1, 5, 4, 13, 30]  # one token, a partial block, a full block, several blocks
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    # each sequence's blocks scattered over the pool, tables padded with block 0
+    perm = (torch.randperm(num_blocks - 1) + 1).tolist()
+    width = max(-(-n // block_size) for n in seq_lens)
+    tables = []
+    for n in seq_lens:
+        need = -(-n // block_size)
+        tables.append([perm.pop() for _ in range(need)] + [0] * (width - need))
+    block_tables = torch.tensor(tables, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), heads, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    batch = decode_batch(seq_lens, block_tables, block_size, window)
+
+    ours = cpu_attention.paged_decode(q, k_cache, v_cache, block_tables, batch.decode_seq_lens, scale, window)
+    ref = _torch_decode(q.float(), k_cache.float(), v_cache.float(), batch, scale)
+    assert ours.dtype == dtype and ours.shape == q.shape
+    assert (ours.float() - ref).abs().max().item() < tol
+
+
+def test_only_the_sequence_blocks_are_read() -> None:
+    """NaN in every block no sequence owns (including the padding block 0) changes nothing."""
+    torch.manual_seed(1)
+    k_cache = torch.full((8, 4, 2, 8), float("nan"))
+    v_cache = torch.full((8, 4, 2, 8), float("nan"))
+    k_cache[3, :2], v_cache[3, :2] = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    q = torch.randn(1, 2, 8)
+    out = cpu_attention.paged_decode(q, k_cache, v_cache, torch.tensor([[3, 0]], dtype=torch.int32),
+                                     torch.tensor([2], dtype=torch.int32), 0.5, None)  # fmt: skip
+    assert torch.isfinite(out).all()
