@@ -1,15 +1,19 @@
 # Benchmarks (issue 8): they report, they never fail CI. Results go to bench/*.json, bench/REPORT.md, PNGs.
 # LORAFLEET_BENCH_SMOKE=1 runs any of them on a ~1M-parameter model and writes to bench/smoke/ instead.
 # BENCH_ENGINE_ARGS narrows the engine run, e.g. BENCH_ENGINE_ARGS="--concurrency 1 8 32 --scenarios base mixed16".
-.PHONY: bench bench-engine bench-loading bench-placement bench-operator bench-report bench-profile bench-micro bench-smoke
+.PHONY: bench bench-engine bench-dtype bench-loading bench-placement bench-operator bench-report bench-profile bench-micro bench-smoke
 
 BENCH_ENGINE_ARGS ?=
 BENCH_PROFILE_ARGS ?= --scenario mixed16 --concurrency 32
 
-bench: setup bench-placement bench-loading bench-micro bench-engine bench-operator bench-report  ## run every benchmark, write bench/REPORT.md
+bench: setup bench-placement bench-loading bench-micro bench-engine bench-dtype bench-operator bench-report  ## run every benchmark, write bench/REPORT.md
 
 bench-engine: setup-python  ## lorafleet vs transformers+PEFT (concurrency 1/8/32/64), random + real model, roofline
 	$(PY) bench/bench_engine.py $(BENCH_ENGINE_ARGS)
+
+# What `--dtype auto` picks on a CPU (worker devices.py) is decided by this row: bf16 vs fp32 side by side.
+bench-dtype: setup-python  ## fp32 vs bf16 on this CPU, base and real model, concurrency 32 (merged into bench/engine.json)
+	$(PY) bench/bench_engine.py --merge --scenarios base real-base --concurrency 32 --dtype float32 bfloat16
 
 bench-loading: setup  ## adapter load latency: cold (MinIO), warm (disk), hot (CPU -> slot)
 	$(PY) bench/bench_loading.py

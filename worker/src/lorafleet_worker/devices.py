@@ -8,14 +8,12 @@
   and slower than float32, so float32 is used. A float32 checkpoint stays float32 on CPU (ask for
   `--dtype bfloat16` to trade exactness for speed).
 
-The CPU rule follows what `bench/bench_engine.py --dtype float32 bfloat16` measures (both systems in both
-dtypes, back to back in one run; `bench/README.md`); should a bf16-capable CPU ever measure bf16 slower
-for the engine, the rule has to change with it. On a 2-core AMD EPYC with AVX512-BF16 and no AMX
-(2026-11-24, shared machine, load average 6-10) the engine on the benchmark's 97M-parameter Llama at
-concurrency 32 generated 89.5 tok/s in bf16 against
-41.4 tok/s in fp32 (2.2x; transformers' `generate`: 85.4 vs 6.8 tok/s, the fp32 pass hit by a load spike);
-one `F.linear` at its decode shapes (M = 32) ran 1.6-6x as fast in bf16, 2.2-3.3x at M = 512. Earlier
-smoke timings on a 2-core CPU with AMX agree (bf16 1.45x-6.9x per `F.linear`, 1.2-1.6x for the engine).
+The CPU rule follows what `make bench-dtype` measures (`bench/bench_engine.py --dtype float32 bfloat16`:
+both systems in both dtypes, back to back in one run; `bench/README.md`); should a bf16-capable CPU ever
+measure bf16 slower for the engine, the rule has to change with it. On a 2-core AMD EPYC with AVX512-BF16
+and no AMX (2026-11-24, load average 1.4-1.7, concurrency 32) the engine ran 1.73x as fast in bf16 as in
+fp32 on the benchmark's 97M-parameter Llama and 1.62x on SmolLM2-135M (transformers' `generate`: 1.61x
+and 1.37x). Earlier smoke timings on a 2-core CPU with AMX agree (1.2-1.6x for the engine).
 Without either flag bf16 is emulated and fp32 is kept.
 """
 
