@@ -31,6 +31,7 @@ from lorafleet_devcluster.rawstack import (
     install_crd,
     pod_ready,
     rbac,
+    worker_deployment,
 )
 from lorafleet_devcluster.session import TestCluster
 from lorafleet_operator.placement import place
@@ -53,32 +54,12 @@ def stack(cluster: TestCluster, tiny_models: Any, tiny_adapter_factory: Any) -> 
     adapter = tiny_adapter_factory(model_dir, rank=4, seed=111, strength=2.0)
     ns = cluster.new_namespace("autoscale")
     stack = Stack(cluster, ns, adapter)
-    workers = deployment(
-        "workers",
-        "lorafleet/worker:dev",
-        [
-            "lorafleet-worker",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            BASE,
-            "--host",
-            "$(POD_IP)",
-            "--port",
-            "8000",
-            "--system-port",
-            "9090",
-            "--max-lora-rank",
-            "16",
-            "--max-loras",
-            "4",
-        ],
-        replicas=3,
-        labels={BASE_MODEL_HASH_LABEL: base_model_hash(BASE)},
-        volumes=True,
-        env=[env_var("LORAFLEET_FILE_ROOTS", str(adapter.parent)), env_var("DYN_LORA_PATH", "/var/cache/lora")],
-        probe={"httpGet": {"path": "/ready", "port": 9090}, "periodSeconds": 1},
+    workers = worker_deployment(
+        str(model_dir),
+        BASE,
+        {BASE_MODEL_HASH_LABEL: base_model_hash(BASE)},
+        [],
+        [env_var("LORAFLEET_FILE_ROOTS", str(adapter.parent))],
     )
     router = deployment(
         "router",

@@ -35,6 +35,7 @@ from lorafleet_devcluster.rawstack import (
     install_crd,
     pod_ready,
     rbac,
+    worker_deployment,
 )
 from lorafleet_devcluster.session import TestCluster
 from lorafleet_operator.ledger import CONFIGMAP as LEDGER
@@ -86,38 +87,12 @@ def stack(
         "metadata": {"name": "store-creds"},
         "stringData": {"AWS_ACCESS_KEY_ID": minio.access_key, "AWS_SECRET_ACCESS_KEY": minio.secret_key},
     }
-    workers = deployment(
-        "workers",
-        "lorafleet/worker:dev",
-        [
-            "lorafleet-worker",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            BASE,
-            "--host",
-            "$(POD_IP)",
-            "--port",
-            "8000",
-            "--system-port",
-            "9090",
-            "--max-lora-rank",
-            "16",
-            "--max-loras",
-            "4",
-            "--max-cpu-loras",
-            "128",
-        ],
-        replicas=3,
-        labels={BASE_MODEL_HASH_LABEL: base_model_hash(BASE)},
-        volumes=True,
-        env=[
-            env_var("LORAFLEET_FILE_ROOTS", str(adapters["a"].parent)),
-            env_var("DYN_LORA_PATH", "/var/cache/lora"),
-            *store_env,
-        ],
-        probe={"httpGet": {"path": "/ready", "port": 9090}, "periodSeconds": 1},
+    workers = worker_deployment(
+        str(model_dir),
+        BASE,
+        {BASE_MODEL_HASH_LABEL: base_model_hash(BASE)},
+        ["--max-cpu-loras", "128"],
+        [env_var("LORAFLEET_FILE_ROOTS", str(adapters["a"].parent)), *store_env],
     )
     operator = deployment(
         "operator",

@@ -102,6 +102,26 @@ def deployment(
     }
 
 
+def worker_deployment(
+    model_dir: str, base_model: str, labels: dict[str, str], extra_args: list[str], env: list[dict], replicas: int = 3
+) -> dict:
+    """The Deployment `workers`: `lorafleet-worker serve` on the pod's IP (inference 8000, management 9090),
+    LoRA rank <= 16 and 4 slots, an emptyDir adapter cache, Ready when `/ready` answers."""
+    command = ["lorafleet-worker", "serve", "--model", model_dir, "--served-model-name", base_model,
+               "--host", "$(POD_IP)", "--port", "8000", "--system-port", "9090",
+               "--max-lora-rank", "16", "--max-loras", "4", *extra_args]  # fmt: skip
+    return deployment(
+        "workers",
+        "lorafleet/worker:dev",
+        command,
+        replicas=replicas,
+        labels=labels,
+        volumes=True,
+        env=[env_var("DYN_LORA_PATH", "/var/cache/lora"), *env],
+        probe={"httpGet": {"path": "/ready", "port": 9090}, "periodSeconds": 1},
+    )
+
+
 def rbac(name: str, rules: list[dict]) -> list[dict]:
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
