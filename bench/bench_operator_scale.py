@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -107,6 +108,7 @@ class Bench:
     def __init__(self, kube: Any, ns: str, standins: StandIns) -> None:
         self.kube, self.ns, self.standins = kube, ns, standins
         self.pods: dict[str, str] = {}  # pod name -> address
+        self.polls = 0  # LISTs of the DynamoModels by ``converged`` (left out of the operator's requests)
 
     async def heartbeat(self) -> None:
         """Keep the stand-in Node Ready (Lease + condition) so no controller marks its pods NotReady."""
@@ -154,18 +156,29 @@ class Bench:
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 
-    async def converged(self, expected: dict[str, list[str]]) -> bool:
-        listing = await self.kube.request("GET", f"/apis/nvidia.com/v1alpha1/namespaces/{self.ns}/dynamomodels",
-                                          timeout=120)  # fmt: skip
+    def held_as_placed(self, expected: dict[str, list[str]]) -> bool:
+        """Every stand-in holds exactly the adapters placed on it (read in this process: free)."""
         held: defaultdict[str, set[str]] = defaultdict(set)
-        for item in listing.get("items") or []:
-            status = item.get("status") or {}
-            name = item["spec"]["modelName"]
-            if status.get("phase") != "Ready" or status.get("placement") != expected[name]:
-                return False
-            for pod in expected[name]:
+        for name, pods in expected.items():
+            for pod in pods:
                 held[self.pods[pod]].add(name)
         return all(set(self.standins.loras[ip]) == held[ip] for ip in self.pods.values())
+
+    async def converged(self, expected: dict[str, list[str]]) -> bool:
+        # Converged needs both the workers and the statuses; the LIST of every DynamoModel (tens of
+        # MB, a CPU second or more of the API server and of this script on the 2 cores the operator
+        # shares) is only asked once the workers already hold what they should.
+        if not self.held_as_placed(expected):
+            return False
+        self.polls += 1
+        listing = await self.kube.request("GET", f"/apis/nvidia.com/v1alpha1/namespaces/{self.ns}/dynamomodels",
+                                          timeout=120)  # fmt: skip
+        items = listing.get("items") or []
+        for item in items:
+            status = item.get("status") or {}
+            if status.get("phase") != "Ready" or status.get("placement") != expected[item["spec"]["modelName"]]:
+                return False
+        return len(items) == len(expected) and self.held_as_placed(expected)
 
     async def wait_converged(self, names: list[str], timeout: float) -> float:
         from lorafleet_operator.placement import place
@@ -184,11 +197,33 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_by_process(cluster: Any, operator_pid: int) -> dict[str, float]:
+    """CPU seconds so far of the operator, the control plane's processes and this script (stand-ins included)."""
+    pids = {"operator": operator_pid, **(cluster.local.pids if cluster.local is not None else {})}
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        try:
+            out[name] = cpu_seconds(pid)
+        except OSError:
+            continue
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["bench script and stand-ins"] = usage.ru_utime + usage.ru_stime
+    return out
+
+
 def peak_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def requests_between(before: dict[str, float], after: dict[str, float], polls: int = 0) -> dict[str, int]:
+    """Requests per "VERB resource" between two ``api_requests`` readings, most first; ``polls`` LISTs of
+    the DynamoModels made by this script's convergence check are left out."""
+    out = {k: round(after[k] - before.get(k, 0)) for k in after}
+    out["LIST dynamomodels"] = out.get("LIST dynamomodels", 0) - polls
+    return dict(sorted(((k, v) for k, v in out.items() if v > 0), key=lambda kv: -kv[1]))
 
 
 def api_requests(cluster: Any) -> dict[str, float]:
@@ -230,14 +265,22 @@ async def run(cluster: Any, args: argparse.Namespace) -> dict[str, Any]:
         cmd = [sys.executable, *profile, "-m", "lorafleet_operator.cli", "--namespace", ns, "--drift-interval",
                str(args.drift_interval), "--liveness-port", "0", "--metrics-port", "0", "--bind-host", "127.0.0.1",
                "--reconcile-workers", "32", "--max-concurrent-calls", "64", "--unload-grace", "1"]  # fmt: skip
+        req_cold = api_requests(cluster)
+        bench.polls = 0
         log_path = Path(tempfile.mkdtemp(prefix="lorafleet-scale-")) / "operator.log"
         log(f"operator log: {log_path}")
         with log_path.open("wb") as log_file:
             operator = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=os.environ.copy())
+        cpu_cold = cpu_by_process(cluster, operator.pid)
         load_start = os.getloadavg()
         cold = await bench.wait_converged(names, args.timeout)
         cold_cpu = cpu_seconds(operator.pid)
         log(f"cold start converged in {cold:.1f} s ({cold_cpu:.1f} operator CPU s, load {os.getloadavg()[0]:.1f})")
+        cpu_cold = {k: round(v - cpu_cold.get(k, 0), 1) for k, v in cpu_by_process(cluster, operator.pid).items()}
+        log(f"cold start CPU seconds by process: {cpu_cold}")
+        cold_kinds = requests_between(req_cold, api_requests(cluster), bench.polls)
+        log(f"cold start API requests by verb and resource (the script's own {bench.polls} polls left out): "
+            f"{cold_kinds}")  # fmt: skip
 
         await asyncio.sleep(args.drift_interval)  # let the cold start's tail (Events, kopf) drain
         cpu0, req0, t1 = cpu_seconds(operator.pid), api_requests(cluster), time.monotonic()
@@ -266,7 +309,9 @@ async def run(cluster: Any, args: argparse.Namespace) -> dict[str, Any]:
         return {
             "models": args.models, "workers": args.workers, "drift_interval_s": args.drift_interval,
             "cold_start_s": round(cold, 1), "plus_one_pod_s": round(plus, 1), "minus_one_pod_s": round(minus, 1),
-            "cold_start_operator_cpu_s": round(cold_cpu, 1), "plus_one_pod_operator_cpu_s": round(plus_cpu, 2),
+            "cold_start_operator_cpu_s": round(cold_cpu, 1), "cold_start_api_requests": sum(cold_kinds.values()),
+            "cold_start_api_requests_by_kind": cold_kinds, "cold_start_cpu_s_by_process": cpu_cold,
+            "plus_one_pod_operator_cpu_s": round(plus_cpu, 2),
             "loadavg_1min": {"cold_start_begin": round(load_start[0], 2), "steady_state_end": round(load_steady[0], 2),
                              "end": round(os.getloadavg()[0], 2)},
             "steady_cpu_s_per_interval": round(cpu, 3), "steady_cpu_percent": round(100 * cpu / args.drift_interval, 2),
