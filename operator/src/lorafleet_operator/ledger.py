@@ -9,14 +9,18 @@ deleted while the operator was down); a name that is not written down is never t
 ``ConfigMapLedger`` keeps the record in one ConfigMap per namespace, ``lorafleet-adapters``,
 one data key per base-model hash holding the sorted names, one per line (10,000 names of 40
 characters are ~400 KB, under the 1 MiB object limit). It is read once per namespace, then
-written only when names are added or removed, in batches. ``MemoryLedger`` is the same without
-Kubernetes.
+written only when names are added or removed, in batches. The runtime writes the names of
+new DynamoModels down in bulk as it sees them (``claim_many``, one write for a whole list of
+them at a cold start), so the claim before each first load finds its name already written; a
+name written down that no pod ends up holding is crossed out by the drift pass like any other.
+``MemoryLedger`` is the same without Kubernetes.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Protocol
 
 from lorafleet_operator.kube import KubeClient, KubeError, collection_path
@@ -26,6 +30,7 @@ CONFIGMAP = "lorafleet-adapters"
 
 class Ledger(Protocol):
     async def claim(self, namespace: str, base_hash: str, name: str) -> None: ...
+    async def claim_many(self, namespace: str, base_hash: str, names: Iterable[str]) -> None: ...
     async def release(self, namespace: str, base_hash: str, name: str) -> None: ...
     async def names(self, namespace: str, base_hash: str) -> set[str]: ...
 
@@ -38,6 +43,9 @@ class MemoryLedger:
 
     async def claim(self, namespace: str, base_hash: str, name: str) -> None:
         self._names[(namespace, base_hash)].add(name)
+
+    async def claim_many(self, namespace: str, base_hash: str, names: Iterable[str]) -> None:
+        self._names[(namespace, base_hash)].update(names)
 
     async def release(self, namespace: str, base_hash: str, name: str) -> None:
         self._names[(namespace, base_hash)].discard(name)
@@ -59,18 +67,32 @@ class ConfigMapLedger(MemoryLedger):
         self._loaded: set[str] = set()
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._next: dict[str, asyncio.Future[None]] = {}  # namespace -> the write not started yet
+        self._unwritten: defaultdict[str, set[tuple[str, str]]] = defaultdict(set)  # claimed, not yet written
         self.writes = 0
 
     async def claim(self, namespace: str, base_hash: str, name: str) -> None:
+        await self.claim_many(namespace, base_hash, (name,))
+
+    async def claim_many(self, namespace: str, base_hash: str, names: Iterable[str]) -> None:
+        """Return once every name of ``names`` is written down (one write for all that were not)."""
         await self._load(namespace)
-        if name not in self._names[(namespace, base_hash)]:
-            await super().claim(namespace, base_hash, name)
+        known, unwritten = self._names[(namespace, base_hash)], self._unwritten[namespace]
+        wait = False
+        for name in names:
+            if name not in known:
+                known.add(name)
+                unwritten.add((base_hash, name))
+                wait = True
+            elif (base_hash, name) in unwritten:
+                wait = True  # claimed by someone else, its write has not succeeded yet
+        if wait:
             await self._commit(namespace)
 
     async def release(self, namespace: str, base_hash: str, name: str) -> None:
         await self._load(namespace)
         if name in self._names[(namespace, base_hash)]:
             await super().release(namespace, base_hash, name)
+            self._unwritten[namespace].discard((base_hash, name))
             await self._commit(namespace)
 
     async def names(self, namespace: str, base_hash: str) -> set[str]:
@@ -101,6 +123,7 @@ class ConfigMapLedger(MemoryLedger):
     async def _write(self, namespace: str) -> None:
         async with self._locks[namespace]:
             self._next.pop(namespace, None)  # changes from now on go into the next write
+            included = set(self._unwritten[namespace])
             data = {
                 base_hash: "".join(f"{n}\n" for n in sorted(names))
                 for (ns, base_hash), names in self._names.items()
@@ -123,3 +146,4 @@ class ConfigMapLedger(MemoryLedger):
                     "data": data,
                 }
                 await self.kube.create(collection_path("", "v1", "configmaps", namespace), body)
+            self._unwritten[namespace] -= included
