@@ -212,6 +212,42 @@ async def test_pod_events_requeue_only_models_whose_placement_changes(cluster: C
         assert cluster.status(f"p{i}")["placement"] == place(n, five, 2)
 
 
+async def test_a_new_model_costs_one_pass_and_new_names_are_claimed_in_bulk(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold start's unit of work: one reconcile pass per new model (its status write needs no
+    follow-up pass when nothing waits for it), and the ledger claims of many new models in one
+    write ahead of their loads (issue 13, outcome 6: cold start)."""
+    reconciler, ledger = cluster.runtime.reconciler, cluster.runtime.reconciler.ledger
+    passes: list[str] = []
+    bulk: list[set[str]] = []
+    reconcile, claim_many = reconciler.reconcile, ledger.claim_many
+
+    async def counted(model: Model, *args: Any, **kw: Any) -> Any:
+        passes.append(model.name)
+        return await reconcile(model, *args, **kw)
+
+    async def spied(namespace: str, base_hash: str, names: Any) -> None:
+        bulk.append(set(names))
+        await claim_many(namespace, base_hash, names)
+
+    monkeypatch.setattr(reconciler, "reconcile", counted)
+    monkeypatch.setattr(ledger, "claim_many", spied)
+    for i in range(8):
+        cluster.apply(f"n{i}", f"org/n{i}")
+    await cluster.settle()
+    assert all(cluster.status(f"n{i}")["phase"] == "Ready" for i in range(8))
+    assert sorted(passes) == [f"n{i}" for i in range(8)], "one pass per new model, no follow-up pass"
+    assert bulk == [{f"org/n{i}" for i in range(8)}]
+    # a move still gets its follow-up pass: the leaver is unloaded once the new placement is published
+    cluster.runtime.on_pod("DELETED", pod_body("worker-4", cluster.workers[4].host, True, BASE))
+    await cluster.settle()
+    cluster.runtime.on_pod("ADDED", pod_body("worker-4", cluster.workers[4].host, True, BASE))
+    await cluster.settle()
+    for i in range(8):
+        assert cluster.holders(f"org/n{i}") == set(cluster.status(f"n{i}")["placement"])
+
+
 def test_router_keeps_a_handed_over_name_routable_through_the_deleted_owner() -> None:
     from lorafleet_operator.router import RoutingTable
 

@@ -77,6 +77,9 @@ class Runtime:
         self.claimants: defaultdict[tuple[str, str], set[Key]] = defaultdict(set)  # served name -> live LoRAs
         self._locks: dict[Key, asyncio.Lock] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._claims: defaultdict[tuple[str, str], set[str]] = defaultdict(set)  # names to write down in bulk
+        self._claims_wakeup = asyncio.Event()
+        self._pod_groups: dict[tuple[str, str], list[Pod]] = {}  # pods_of, until the next pod event
 
     # ---- inputs -----------------------------------------------------------------------
     def on_model(self, kind: str | None, body: Mapping[str, Any]) -> None:
@@ -94,6 +97,9 @@ class Runtime:
         self.models[key] = dict(body)
         self.parsed[key] = model
         self._claim(key, old, model)
+        if model.is_lora and not model.deleting and (old is None or old.served_name != model.served_name):
+            self._claims[(model.namespace, model.base_hash)].add(model.model_name)
+            self._claims_wakeup.set()
         if not model.deleting and (
             old is None or (old.uid, old.generation, old.deleting) != (model.uid, model.generation, False)
         ):
@@ -219,6 +225,7 @@ class Runtime:
         pod = Pod.from_body(body)
         key = (pod.namespace, pod.name)
         old = self.pods.get(key)
+        self._pod_groups.clear()
         if kind == "DELETED":
             self.pods.pop(key, None)
             pod = dataclasses.replace(pod, ready=False)
@@ -276,11 +283,20 @@ class Runtime:
             self.queue.add(key)
 
     def pods_of(self, model: Model) -> list[Pod]:
-        return [p for p in self.pods.values() if p.namespace == model.namespace and p.base_hash == model.base_hash]
+        """The pods of ``model``'s base model, sorted (kept per base model until a pod changes: a pass
+        then neither scans every pod nor sorts them again)."""
+        group = (model.namespace, model.base_hash)
+        pods = self._pod_groups.get(group)
+        if pods is None:
+            pods = self._pod_groups[group] = sorted(
+                p for p in self.pods.values() if p.namespace == model.namespace and p.base_hash == model.base_hash
+            )
+        return pods
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._work()) for _ in range(self.settings.reconcile_workers)]
+        self.spawn(self._write_claims())
         self.spawn(self._drift())
         if self.settings.demand_urls:
             self.spawn(self._autoscale(RouterDemand(self.settings.demand_urls)))
@@ -300,6 +316,21 @@ class Runtime:
                 await task
         self._tasks = []
         await self.reconciler.client.close()
+
+    async def _write_claims(self) -> None:
+        """Write the names of newly seen LoRA DynamoModels into the ledger in bulk (write-ahead of
+        their first loads): a cold start of thousands of models costs a few ledger writes, where a
+        claim per first load would be group-committed only as many at a time as reconcile workers."""
+        while True:
+            await self._claims_wakeup.wait()
+            self._claims_wakeup.clear()
+            claims, self._claims = self._claims, defaultdict(set)
+            for (namespace, base_hash), names in claims.items():
+                try:
+                    await self.reconciler.ledger.claim_many(namespace, base_hash, names)
+                except Exception:
+                    log.exception("writing %d adapter names to the ledger failed (each first load claims its own)",
+                                  len(names))  # fmt: skip
 
     async def _drift(self) -> None:
         while True:
@@ -374,7 +405,7 @@ class Runtime:
             self._set_phase(key, result.status.get("phase"))
             if result.requeue_after:
                 self.queue.add_after(key, result.requeue_after)
-            if wrote:  # level-based: one more pass sees the published status (e.g. leavers to unload)
+            if wrote and result.followup:  # one more pass sees the published status (leavers to unload)
                 self.queue.add(key)
 
     async def _write(self, key: Key, model: Model, new: Mapping[str, Any], current: Mapping[str, Any]) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
@@ -94,8 +95,9 @@ class Model:
     def key(self) -> tuple[str, str]:
         return (self.namespace, self.name)
 
-    @property
+    @cached_property
     def base_hash(self) -> str:
+        """The base model's label value (a sha256, computed once per parsed object: it is read per pod)."""
         return base_model_hash(self.base_model_name)
 
     @property
