@@ -98,3 +98,49 @@ async def test_informer_lists_watches_and_relists_after_gone(api: tuple[FakeApi,
     assert {("DELETED", "b"), ("DELETED", "c")} <= set(seen[3:])
     assert ("MODIFIED", "a") in seen[3:]
     assert set(fake.auth) == {"Bearer t0ken"}
+
+
+async def test_event_poster_aggregates_what_waits_and_posts_each_object_reason_once() -> None:
+    """Events for the same object and reason that pile up behind a slow POST become one Event
+    with a count (client-go's EventCorrelator), not one POST each; other objects keep theirs."""
+    from lorafleet_operator.kube import EventPoster
+
+    class SlowKube:
+        def __init__(self) -> None:
+            self.bodies: list[dict[str, Any]] = []
+            self.gate = asyncio.Event()
+
+        async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+            await self.gate.wait()
+            self.bodies.append(body)
+            return body
+
+    fake = SlowKube()
+    client: Any = fake
+    poster = EventPoster(client, "test")
+    task = asyncio.create_task(poster.run())
+    try:
+        a = {"kind": "DynamoModel", "name": "a", "namespace": "ns", "uid": "uid-a"}
+        b = {"kind": "DynamoModel", "name": "b", "namespace": "ns", "uid": "uid-b"}
+        poster.post(a, "Warning", "LoadFailed", "first")
+        await asyncio.sleep(0)  # the poster takes it and waits on the API server
+        for i in range(5):
+            poster.post(a, "Warning", "LoadFailed", f"retry {i}")
+        poster.post(b, "Normal", "Loaded", "loaded")
+        poster.post(a, "Normal", "Loaded", "loaded")
+        fake.gate.set()
+
+        async def drained() -> None:
+            while poster.pending or len(fake.bodies) < 4:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(drained(), timeout=10)
+        got = [(e["involvedObject"]["name"], e["reason"], e["count"], e["message"]) for e in fake.bodies]
+        assert got == [
+            ("a", "LoadFailed", 1, "first"),
+            ("a", "LoadFailed", 5, "retry 4"),
+            ("b", "Loaded", 1, "loaded"),
+            ("a", "Loaded", 1, "loaded"),
+        ]
+    finally:
+        task.cancel()

@@ -14,6 +14,7 @@ import logging
 import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -243,8 +244,13 @@ class Informer:
 
 
 class EventPoster:
-    """Posts core/v1 Events in the background (bounded queue; when full, new events are dropped).
+    """Posts core/v1 Events in the background, one at a time, never blocking the caller.
 
+    Like client-go's EventCorrelator, events are aggregated: an event for the same object, type
+    and reason as one still waiting to be posted joins it (``count`` grows, the newest message
+    wins) instead of becoming another POST, so a poster that lags behind a burst (a cold start of
+    thousands of models, a retry loop) posts each object's reason once. At most ``maxsize``
+    distinct events wait; beyond that new ones are dropped (logged).
     ``post(involved_object, type, reason, message)`` never blocks; ``run()`` is the poster task.
     """
 
@@ -252,37 +258,68 @@ class EventPoster:
         self.kube = kube
         self.component = component
         self.instance = os.environ.get("POD_NAME") or component
-        self.queue: asyncio.Queue[tuple[dict[str, Any], str, str, str]] = asyncio.Queue(maxsize)
+        self.maxsize = maxsize
+        self.pending: dict[tuple[str, str, str], _PendingEvent] = {}  # insertion order = posting order
+        self._wakeup = asyncio.Event()
+        self.posted = 0
 
     def post(self, involved: dict[str, Any], kind: str, reason: str, message: str) -> None:
-        try:
-            self.queue.put_nowait((involved, kind, reason, message[:1024]))
-        except asyncio.QueueFull:
+        key = (str(involved.get("uid") or (involved.get("namespace"), involved.get("name"))), kind, reason)
+        waiting = self.pending.get(key)
+        if waiting is not None:
+            waiting.count += 1
+            waiting.message = message[:1024]
+            return
+        if len(self.pending) >= self.maxsize:
             log.warning("event queue full, dropping %s event %s", kind, reason)
+            return
+        self.pending[key] = _PendingEvent(involved, kind, reason, message[:1024])
+        self._wakeup.set()
+
+    def body(self, event: _PendingEvent, now: str) -> dict[str, Any]:
+        namespace = event.involved.get("namespace") or "default"
+        return {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{event.involved.get('name', 'object')}.", "namespace": namespace},
+            "involvedObject": event.involved,
+            "type": event.kind,
+            "reason": event.reason,
+            "message": event.message,
+            "source": {"component": self.component},
+            "reportingComponent": self.component,
+            "reportingInstance": self.instance,
+            "firstTimestamp": event.first,
+            "lastTimestamp": now,
+            "count": event.count,
+        }
 
     async def run(self) -> None:
-        from datetime import UTC, datetime
-
         while True:
-            involved, kind, reason, message = await self.queue.get()
-            now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-            namespace = involved.get("namespace") or "default"
-            body = {
-                "apiVersion": "v1",
-                "kind": "Event",
-                "metadata": {"generateName": f"{involved.get('name', 'object')}.", "namespace": namespace},
-                "involvedObject": involved,
-                "type": kind,
-                "reason": reason,
-                "message": message,
-                "source": {"component": self.component},
-                "reportingComponent": self.component,
-                "reportingInstance": self.instance,
-                "firstTimestamp": now,
-                "lastTimestamp": now,
-                "count": 1,
-            }
-            try:
-                await self.kube.create(f"/api/v1/namespaces/{namespace}/events", body)
-            except Exception as e:  # events are best effort
-                log.debug("cannot post event %s: %s", reason, e)
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self.pending:
+                key = next(iter(self.pending))
+                event = self.pending.pop(key)
+                body = self.body(event, _now())
+                try:
+                    await self.kube.create(f"/api/v1/namespaces/{body['metadata']['namespace']}/events", body)
+                    self.posted += 1
+                except Exception as e:  # events are best effort
+                    log.debug("cannot post event %s: %s", event.reason, e)
+
+
+def _now() -> str:
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class _PendingEvent:
+    involved: dict[str, Any]
+    kind: str
+    reason: str
+    message: str
+    count: int = 1
+    first: str = field(default_factory=_now)
