@@ -184,6 +184,9 @@ class Traffic:
 
     def __enter__(self) -> Traffic:
         self._thread.start()
+        # the change under test starts only once traffic flows: a quick change (a hot swap of a tiny
+        # adapter) could otherwise finish before the first answer and the test would count nothing
+        wait_until(lambda: self.ok or self.failures, 120, "a first answer through the router")
         return self
 
     def __exit__(self, *exc: object) -> None:
