@@ -144,3 +144,15 @@ async def test_event_poster_aggregates_what_waits_and_posts_each_object_reason_o
         ]
     finally:
         task.cancel()
+
+
+def test_event_poster_bounds_what_waits_and_counts_drops() -> None:
+    from lorafleet_operator.kube import EventPoster
+
+    unused: Any = None
+    poster = EventPoster(unused, "test", maxsize=3)
+    for i in range(5):
+        poster.post({"name": f"m{i}", "namespace": "ns", "uid": f"u{i}"}, "Normal", "Loaded", "loaded")
+    poster.post({"name": "m0", "namespace": "ns", "uid": "u0"}, "Normal", "Loaded", "again")  # joins, not dropped
+    assert [k[0] for k in poster.pending] == ["u0", "u1", "u2"]
+    assert poster.dropped == 2 and poster.pending[("u0", "Normal", "Loaded")].count == 2

@@ -262,6 +262,7 @@ class EventPoster:
         self.pending: dict[tuple[str, str, str], _PendingEvent] = {}  # insertion order = posting order
         self._wakeup = asyncio.Event()
         self.posted = 0
+        self.dropped = 0
 
     def post(self, involved: dict[str, Any], kind: str, reason: str, message: str) -> None:
         key = (str(involved.get("uid") or (involved.get("namespace"), involved.get("name"))), kind, reason)
@@ -271,7 +272,9 @@ class EventPoster:
             waiting.message = message[:1024]
             return
         if len(self.pending) >= self.maxsize:
-            log.warning("event queue full, dropping %s event %s", kind, reason)
+            self.dropped += 1
+            if self.dropped % 1000 == 1:  # a burst beyond the bound logs once per 1,000 drops, not each
+                log.warning("event queue full, dropping %s event %s (%d dropped so far)", kind, reason, self.dropped)
             return
         self.pending[key] = _PendingEvent(involved, kind, reason, message[:1024])
         self._wakeup.set()
