@@ -43,10 +43,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OUT_DIR, log, write_json
 from lorafleet_operator.autoscale import SCALE_DOWN_AT, Policy, decide
-from lorafleet_operator.placement import DEFAULT_EPSILON, place, place_within, rank
+from lorafleet_operator.placement import DEFAULT_EPSILON, Loads, place, place_balanced, place_within, relief
 
 Placement = dict[str, list[str]]
-POLICIES = ("fixed-r", "all-pods", "affinity", "ours", "ours-hrw")
+POLICIES = ("fixed-r", "all-pods", "affinity", "ours", "ours-hrw", "fixed-r-bal")
 AFFINITY_THRESHOLD = 1.25  # the gateway moves on when a holder's load exceeds this x the mean
 
 
@@ -123,23 +123,31 @@ def affinity(previous: Placement, demand: dict[str, float], pods: list[str], cap
 
 
 class Ours:
-    """Demand-aware replicas with the operator's own policy (``autoscale.decide``: grow at once to
-    ``ceil(demand / target)``, shrink below half the target only after ``cooldown`` epochs), placed
-    hottest first along each adapter's HRW order (``placement.place_within``) within capacity.
+    """The operator, one reconcile pass per adapter per epoch: replica counts from its own policy
+    (``autoscale.decide``: grow at once to ``ceil(demand / target)``, shrink below half the target
+    only after ``cooldown`` epochs; ``autoscale=False``: always ``replicas``), placed by its own code.
 
-    ``bound``: also skip pods at 1.25x the mean demand load (bounded loads weighted by demand) for
-    an adapter they do not hold yet; a pod that holds it keeps it (never moved for balance alone,
-    like the reconciler's balance bound)."""
+    ``balanced``: ``placement.place_balanced`` (what the reconciler does for autoscaled adapters by
+    default), weighted by this epoch's demand, given the placement so far; else ``place_within``,
+    the plain HRW walk within capacity (what it does for fixed-replica adapters). Adapters are
+    reconciled in name order (the operator's passes come in no demand order) and each pass sees
+    the pods as the earlier ones left them (the workers' listings)."""
 
-    def __init__(self, replicas: int, target_share: float, cooldown: int, scale_down_at: float, bound: bool) -> None:
+    def __init__(
+        self, replicas: int, target_share: float, cooldown: int, scale_down_at: float, balanced: bool,
+        autoscale: bool = True, epsilon: float = DEFAULT_EPSILON, revisits: int = 3,
+    ) -> None:  # fmt: skip
         self.replicas, self.target_share, self.cooldown = replicas, target_share, cooldown
-        self.scale_down_at, self.bound = scale_down_at, bound
+        self.scale_down_at, self.balanced, self.autoscale, self.epsilon = scale_down_at, balanced, autoscale, epsilon
+        self.revisits = revisits
         self.count: dict[str, int] = {}
         self.changed: dict[str, int] = {}
         self.previous: Placement = {}
         self.epoch = 0
 
     def wanted(self, name: str, demand: float, target: float, pods: int) -> int:
+        if not self.autoscale:
+            return min(self.replicas, pods)
         policy = Policy(min(self.replicas, pods), pods, target)
         current = self.count.get(name, policy.min_replicas)
         since = self.epoch - self.changed.get(name, -(10**9))
@@ -150,73 +158,40 @@ class Ours:
         return decision.replicas
 
     def place(self, demand: dict[str, float], pods: list[str], capacity: int) -> Placement:
-        """Move as little as possible: keep every held replica on a live pod, add or drop replicas
-        where the policy changed the count (along the HRW order, within capacity and the bound),
-        then move replicas off pods above the bound only (largest share first)."""
         live = set(pods)
-        mean = sum(demand.values()) / len(pods)
-        target = self.target_share * mean
-        bound = (1 + DEFAULT_EPSILON) * mean if self.bound else math.inf
-        count = dict.fromkeys(pods, 0)
-        load = dict.fromkeys(pods, 0.0)
+        target = self.target_share * sum(demand.values()) / len(pods)
+        held: dict[str, set[str]] = {pod: set() for pod in pods}
+        for name, on in self.previous.items():
+            for pod in on:
+                if pod in live:
+                    held[pod].add(name)
+        loads = Loads(held, demand)
         placement: Placement = {}
-        for name in sorted(demand, key=lambda n: (-demand[n], n)):
+        for name in sorted(demand):
             wanted = self.wanted(name, demand[name], target, len(pods))
-            kept = [p for p in rank(name, self.previous.get(name, ())) if p in live][:wanted]  # shrink: HRW's last go
-            share = demand[name] / wanted
 
-            def has_room(p: str, share: float = share, kept: list[str] = kept) -> bool:
-                return p not in kept and count[p] < capacity and load[p] + share <= bound
+            def fits(pod: str, name: str) -> bool:
+                return len(held[pod]) - (name in held[pod]) < capacity
 
-            chosen = kept + place_within(name, pods, wanted - len(kept), has_room) if len(kept) < wanted else kept
-            if len(chosen) < wanted:  # no pod under the bound: the least loaded ones with room
-                rest = [p for p in pods if p not in chosen and count[p] < capacity]
-                chosen += sorted(rest, key=lambda p: (load[p], p))[: wanted - len(chosen)]
-            for pod in chosen:
-                count[pod] += 1
-                load[pod] += share
+            if self.balanced:
+                current = [p for p in self.previous.get(name, ()) if p in live]
+                chosen = place_balanced(name, pods, wanted, current, loads, fits, self.epsilon)
+            else:
+                chosen = place_within(name, pods, wanted, lambda pod, name=name: fits(pod, name))
+            loads.set(name, chosen)
             placement[name] = chosen
-        if self.bound:
-            self._relieve(placement, demand, pods, capacity, count, load, bound)
+        for _ in range(self.revisits if self.balanced else 0):  # the autoscale polls in the epoch
+            again = relief(pods, loads, fits, self.epsilon)
+            for name in again:
+                chosen = place_balanced(name, pods, self.count.get(name, self.replicas) if self.autoscale else
+                                        min(self.replicas, len(pods)), placement[name], loads, fits, self.epsilon)  # fmt: skip
+                loads.set(name, chosen)
+                placement[name] = chosen
+            if not again:
+                break
         self.previous = placement
         self.epoch += 1
         return placement
-
-    @staticmethod
-    def _relieve(
-        placement: Placement,
-        demand: dict[str, float],
-        pods: list[str],
-        capacity: int,
-        count: dict[str, int],
-        load: dict[str, float],
-        bound: float,
-    ) -> None:
-        """Move replicas off pods above ``bound`` (largest share first) to the first pod of the
-        adapter's HRW order with room under it."""
-        on: dict[str, list[str]] = defaultdict(list)
-        for name, held in placement.items():
-            for pod in held:
-                on[pod].append(name)
-        for pod in sorted(pods, key=lambda p: -load[p]):
-            for name in sorted(on[pod], key=lambda n: -demand[n] / len(placement[n])):
-                if load[pod] <= bound:
-                    break
-                share = demand[name] / len(placement[name])
-                held = placement[name]
-                to = place_within(
-                    name,
-                    pods,
-                    1,
-                    lambda p, s=share, h=held: p not in h and count[p] < capacity and load[p] + s <= bound,
-                )
-                if not to:
-                    continue
-                held[held.index(pod)] = to[0]
-                load[pod] -= share
-                count[pod] -= 1
-                load[to[0]] += share
-                count[to[0]] += 1
 
 
 def simulate(args: argparse.Namespace, s: float, pod_count: int) -> dict[str, Any]:
@@ -229,9 +204,10 @@ def simulate(args: argparse.Namespace, s: float, pod_count: int) -> dict[str, An
     capacity = args.capacity or math.ceil(2.5 * args.replicas * args.adapters / pod_count)
     previous: dict[str, Placement] = {}
     totals: dict[str, defaultdict[str, float]] = {}
+    epsilon = getattr(args, "epsilon", DEFAULT_EPSILON)
     scaled = {
-        name: Ours(args.replicas, args.replica_target, args.cooldown, args.scale_down_at, bound)
-        for name, bound in (("ours", True), ("ours-hrw", False))
+        name: Ours(args.replicas, args.replica_target, args.cooldown, args.scale_down_at, balanced, autoscale, epsilon)
+        for name, balanced, autoscale in (("ours", True, True), ("ours-hrw", False, True), ("fixed-r-bal", True, False))
     }
     for _ in range(args.epochs):
         demand = zipf_demand(order, s)
@@ -281,6 +257,7 @@ def main() -> None:
     ap.add_argument("--replica-target", type=float, default=1.0, help="ours: demand per replica / mean pod load")
     ap.add_argument("--cooldown", type=int, default=3, help="ours: epochs after a change before a shrink")
     ap.add_argument("--scale-down-at", type=float, default=SCALE_DOWN_AT, help="ours: shrink below this x target")
+    ap.add_argument("--epsilon", type=float, default=DEFAULT_EPSILON, help="ours: balance bound (1 + epsilon) x mean")
     ap.add_argument("--shift", type=float, default=0.05)
     ap.add_argument("--utilisation", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=17)

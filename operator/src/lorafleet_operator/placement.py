@@ -14,17 +14,31 @@ are full: a pod is full at its own capacity (the worker's ``--max-loaded-loras``
 balance bound ``ceil((1 + epsilon) * m / n)`` (``m`` replicas asked for in all, ``n`` pods),
 whichever is lower. No pod ever holds more than either; a model whose top pods have room lands
 exactly where plain HRW puts it, so movement stays close to HRW's minimum.
+
+Demand-weighted balance (``Loads``, ``place_balanced``; what the reconciler does for autoscaled
+adapters by default, and what ``bench/sim_placement.py`` measures as ``ours``): a pod's load is the
+sum, over the adapters it holds, of the adapter's weight (its demand as the routers report it; 1
+each when no demand is known) divided by the number of pods holding it. One adapter at a time,
+given the pods it is placed on now: replicas it holds stay; a pod above the bound
+``(1 + epsilon) x mean`` sheds its largest shares first, down to the entry level, and only an
+adapter in that prefix moves, and only when a pod below the entry level takes it; new replicas go
+along the adapter's HRW order to the first pods with room whose load stays at or below the entry
+level ``(1 - hysteresis) x bound``; when none is, to the least loaded pods with room (HRW order
+on ties). Capacity is never exceeded. The gap between the entry level and the bound is the
+hysteresis: demand that jitters by less than it moves nothing once placed.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 
 import blake3
 
 SEPARATOR = b"\x00"
 DEFAULT_EPSILON = 0.25  # the balance bound is 1.25x the mean load
+DEFAULT_HYSTERESIS = 0.1  # new replicas land only at or below 0.9x the bound
 
 
 def hrw_score(model_name: str, pod_name: str) -> int:
@@ -103,3 +117,152 @@ def assign(
             load[pod] += 1
         placement[name] = chosen
     return placement
+
+
+class Loads:
+    """Demand-weighted load of each pod: the sum over the adapters it holds of weight / holders.
+
+    ``held``: pod -> the adapters it holds (its ``GET /v1/loras``); ``set`` updates it in place.
+    ``weights``: adapter -> demand; adapters absent weigh 0 (idle). None, or no positive weight at
+    all, means no demand is known: every adapter weighs 1."""
+
+    def __init__(self, held: dict[str, set[str]], weights: Mapping[str, float] | None = None) -> None:
+        self.held = held
+        self.weights = weights if weights is not None and any(w > 0 for w in weights.values()) else None
+        self.holders: Counter[str] = Counter(name for names in held.values() for name in names)
+        self.load = {pod: sum(self.share(name) for name in names) for pod, names in held.items()}
+
+    def weight(self, name: str) -> float:
+        return 1.0 if self.weights is None else max(0.0, self.weights.get(name, 0.0))
+
+    def share(self, name: str) -> float:
+        """The load ``name`` puts on each pod that holds it."""
+        return self.weight(name) / max(1, self.holders[name])
+
+    def without(self, name: str, pod: str) -> float:
+        """The load of ``pod`` without ``name``."""
+        load = self.load.get(pod, 0.0)
+        return load - self.share(name) if name in self.held.get(pod, ()) else load
+
+    def set(self, name: str, pods: Iterable[str]) -> None:
+        """``name`` is now held by exactly ``pods`` (pods not in ``held`` are added)."""
+        before = [p for p, names in self.held.items() if name in names] if self.holders[name] else []
+        for pod in before:
+            self.load[pod] -= self.share(name)
+            self.held[pod].discard(name)
+        after = list(dict.fromkeys(pods))
+        self.holders[name] = len(after)
+        for pod in after:
+            self.held.setdefault(pod, set()).add(name)
+            self.load[pod] = self.load.get(pod, 0.0) + self.share(name)
+
+
+def place_balanced(
+    model_name: str,
+    pods: Iterable[str],
+    replicas: int,
+    current: Iterable[str],
+    loads: Loads,
+    fits: Callable[[str, str], bool],
+    epsilon: float = DEFAULT_EPSILON,
+    hysteresis: float = DEFAULT_HYSTERESIS,
+) -> list[str]:
+    """``replicas`` pods for ``model_name`` (fewer when not enough fit), in HRW order, balanced by
+    demand (see the module docstring). ``current``: the pods it is placed on now; ``fits(pod,
+    adapter)``: the pod has capacity for that adapter. Deterministic: the same inputs give the same
+    placement."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    if epsilon < 0 or not 0 <= hysteresis < 1:
+        raise ValueError(f"need epsilon >= 0 and 0 <= hysteresis < 1, got {epsilon}, {hysteresis}")
+    order = rank(model_name, pods)
+    if not order:
+        return []
+    weight = loads.weight(model_name)
+    base = {p: loads.without(model_name, p) for p in order}
+    bound = (1 + epsilon) * (sum(base.values()) + weight) / len(order)
+    enter = (1 - hysteresis) * bound
+    share = weight / replicas
+    held = set(current)
+    kept = [p for p in order if p in held and fits(p, model_name)][:replicas]  # a shrink drops the HRW-last
+    shed = [p for p in kept if _sheds(loads, order, fits, p, model_name, share, base[p] + share, bound, enter)]
+    chosen = [p for p in kept if p not in shed]
+    for pod in order:  # new replicas, and replacements for shed ones, along the HRW order
+        if len(chosen) == replicas:
+            break
+        if pod not in held and base[pod] + share <= enter and fits(pod, model_name):
+            chosen.append(pod)
+    chosen += shed[: replicas - len(chosen)]  # nowhere better: a shed replica stays
+    if len(chosen) < replicas:  # growing, no pod below the entry level: the least loaded with room
+        rest = [p for p in order if p not in chosen and p not in held and fits(p, model_name)]
+        chosen += sorted(rest, key=base.__getitem__)[: replicas - len(chosen)]  # stable: HRW order on ties
+    position = {p: i for i, p in enumerate(order)}
+    return sorted(chosen, key=position.__getitem__)
+
+
+def _sheds(
+    loads: Loads,
+    pods: list[str],
+    fits: Callable[[str, str], bool],
+    pod: str,
+    name: str,
+    share: float,
+    load: float,
+    bound: float,
+    enter: float,
+) -> bool:
+    """Whether ``pod`` (load ``load`` with ``name`` at ``share``), when above ``bound``, sheds ``name``
+    (``_shedding``; whether it finds a pod is the caller's walk)."""
+    if load <= bound:
+        return False
+    others = [(loads.share(n), n) for n in loads.held.get(pod, ()) if n != name]
+    return name in _shedding(loads, pods, fits, pod, [*others, (share, name)], load, enter, stop=name)
+
+
+def _shedding(
+    loads: Loads,
+    pods: list[str],
+    fits: Callable[[str, str], bool],
+    pod: str,
+    items: list[tuple[float, str]],
+    load: float,
+    enter: float,
+    stop: str | None = None,
+) -> list[str]:
+    """The adapters ``pod`` (at ``load``, holding ``items``: (share, name)) sheds: its largest shares
+    first (ties by name), skipping those no other pod can take at or below ``enter``, until its load
+    is at or below ``enter`` (or ``stop`` is reached: it is then the last one returned)."""
+    out: list[str] = []
+    for s, n in sorted(items, key=lambda item: (-item[0], item[1])):
+        if load <= enter:
+            break
+        if n == stop:
+            out.append(n)
+            break
+        if any(q != pod and n not in loads.held.get(q, ()) and loads.load.get(q, 0.0) + s <= enter and fits(q, n)
+               for q in pods):  # fmt: skip
+            out.append(n)
+            load -= s
+    return out
+
+
+def relief(
+    pods: Iterable[str],
+    loads: Loads,
+    fits: Callable[[str, str], bool],
+    epsilon: float = DEFAULT_EPSILON,
+    hysteresis: float = DEFAULT_HYSTERESIS,
+) -> list[str]:
+    """The adapters that pods above the bound would shed (``place_balanced`` moves them when they
+    are next placed): what to reconcile again after a placement left a pod above the bound."""
+    order = sorted(set(pods))
+    if not order:
+        return []
+    bound = (1 + epsilon) * sum(loads.load.get(p, 0.0) for p in order) / len(order)
+    out: list[str] = []
+    for pod in order:
+        load = loads.load.get(pod, 0.0)
+        if load > bound:
+            items = [(loads.share(n), n) for n in loads.held.get(pod, ())]
+            out += _shedding(loads, order, fits, pod, items, load, (1 - hysteresis) * bound)
+    return sorted(set(out))
