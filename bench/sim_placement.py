@@ -135,7 +135,7 @@ class Ours:
 
     def __init__(
         self, replicas: int, target_share: float, cooldown: int, scale_down_at: float, balanced: bool,
-        autoscale: bool = True, epsilon: float = DEFAULT_EPSILON, revisits: int = 3,
+        autoscale: bool = True, epsilon: float = DEFAULT_EPSILON, revisits: int = 4,
     ) -> None:  # fmt: skip
         self.replicas, self.target_share, self.cooldown = replicas, target_share, cooldown
         self.scale_down_at, self.balanced, self.autoscale, self.epsilon = scale_down_at, balanced, autoscale, epsilon
@@ -183,8 +183,8 @@ class Ours:
         for _ in range(self.revisits if self.balanced else 0):  # the autoscale polls in the epoch
             again = relief(pods, loads, fits, self.epsilon)
             for name in again:
-                chosen = place_balanced(name, pods, self.count.get(name, self.replicas) if self.autoscale else
-                                        min(self.replicas, len(pods)), placement[name], loads, fits, self.epsilon)  # fmt: skip
+                wanted = self.count.get(name, self.replicas) if self.autoscale else min(self.replicas, len(pods))
+                chosen = place_balanced(name, pods, wanted, placement[name], loads, fits, self.epsilon)
                 loads.set(name, chosen)
                 placement[name] = chosen
             if not again:
@@ -204,9 +204,11 @@ def simulate(args: argparse.Namespace, s: float, pod_count: int) -> dict[str, An
     capacity = args.capacity or math.ceil(2.5 * args.replicas * args.adapters / pod_count)
     previous: dict[str, Placement] = {}
     totals: dict[str, defaultdict[str, float]] = {}
-    epsilon = getattr(args, "epsilon", DEFAULT_EPSILON)
+    epsilon, revisits = getattr(args, "epsilon", DEFAULT_EPSILON), getattr(args, "revisits", 4)
     scaled = {
-        name: Ours(args.replicas, args.replica_target, args.cooldown, args.scale_down_at, balanced, autoscale, epsilon)
+        name: Ours(
+            args.replicas, args.replica_target, args.cooldown, args.scale_down_at, balanced, autoscale, epsilon, revisits
+        )
         for name, balanced, autoscale in (("ours", True, True), ("ours-hrw", False, True), ("fixed-r-bal", True, False))
     }
     for _ in range(args.epochs):
@@ -258,6 +260,9 @@ def main() -> None:
     ap.add_argument("--cooldown", type=int, default=3, help="ours: epochs after a change before a shrink")
     ap.add_argument("--scale-down-at", type=float, default=SCALE_DOWN_AT, help="ours: shrink below this x target")
     ap.add_argument("--epsilon", type=float, default=DEFAULT_EPSILON, help="ours: balance bound (1 + epsilon) x mean")
+    ap.add_argument(
+        "--revisits", type=int, default=4, help="ours: demand polls per epoch that re-place adapters on pods above the bound"
+    )
     ap.add_argument("--shift", type=float, default=0.05)
     ap.add_argument("--utilisation", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=17)

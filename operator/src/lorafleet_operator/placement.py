@@ -185,14 +185,17 @@ def place_balanced(
     share = weight / replicas
     held = set(current)
     kept = [p for p in order if p in held and fits(p, model_name)][:replicas]  # a shrink drops the HRW-last
-    shed = [p for p in kept if _sheds(loads, order, fits, p, model_name, share, base[p] + share, bound, enter)]
-    chosen = [p for p in kept if p not in shed]
-    for pod in order:  # new replicas, and replacements for shed ones, along the HRW order
-        if len(chosen) == replicas:
-            break
-        if pod not in held and base[pod] + share <= enter and fits(pod, model_name):
-            chosen.append(pod)
-    chosen += shed[: replicas - len(chosen)]  # nowhere better: a shed replica stays
+    limits = {}  # pod that sheds this adapter -> the load a pod taking it over may reach
+    for pod in kept:
+        limit = _shed_limit(loads, order, fits, pod, model_name, share, base[pod] + share, bound, enter)
+        if limit is not None:
+            limits[pod] = limit
+    chosen = [p for p in kept if p not in limits]
+    new = [p for p in order if p not in held and base[p] + share <= enter and fits(p, model_name)]
+    chosen += new[: replicas - len(kept)]  # growing: the first pods of the HRW order below the entry level
+    for pod, limit in limits.items():  # a shed replica: the first pod of the HRW order that takes it, else it stays
+        to = (p for p in order if p not in held and p not in chosen and base[p] + share <= limit)
+        chosen.append(next((p for p in to if fits(p, model_name)), pod))
     if len(chosen) < replicas:  # growing, no pod below the entry level: the least loaded with room
         rest = [p for p in order if p not in chosen and p not in held and fits(p, model_name)]
         chosen += sorted(rest, key=base.__getitem__)[: replicas - len(chosen)]  # stable: HRW order on ties
@@ -200,7 +203,7 @@ def place_balanced(
     return sorted(chosen, key=position.__getitem__)
 
 
-def _sheds(
+def _shed_limit(
     loads: Loads,
     pods: list[str],
     fits: Callable[[str, str], bool],
@@ -210,13 +213,14 @@ def _sheds(
     load: float,
     bound: float,
     enter: float,
-) -> bool:
-    """Whether ``pod`` (load ``load`` with ``name`` at ``share``), when above ``bound``, sheds ``name``
-    (``_shedding``; whether it finds a pod is the caller's walk)."""
+) -> float | None:
+    """When ``pod`` (load ``load`` with ``name`` at ``share``) sheds ``name`` (``_shedding``): the
+    load a pod taking it over may reach; None when it keeps it."""
     if load <= bound:
-        return False
+        return None
     others = [(loads.share(n), n) for n in loads.held.get(pod, ()) if n != name]
-    return name in _shedding(loads, pods, fits, pod, [*others, (share, name)], load, enter, stop=name)
+    shed = _shedding(loads, pods, fits, pod, [*others, (share, name)], load, bound, enter, stop=name)
+    return shed[-1][1] if shed and shed[-1][0] == name else None
 
 
 def _shedding(
@@ -226,22 +230,27 @@ def _shedding(
     pod: str,
     items: list[tuple[float, str]],
     load: float,
+    bound: float,
     enter: float,
     stop: str | None = None,
-) -> list[str]:
-    """The adapters ``pod`` (at ``load``, holding ``items``: (share, name)) sheds: its largest shares
-    first (ties by name), skipping those no other pod can take at or below ``enter``, until its load
-    is at or below ``enter`` (or ``stop`` is reached: it is then the last one returned)."""
-    out: list[str] = []
+) -> list[tuple[str, float]]:
+    """What ``pod`` (at ``load``, holding ``items``: (share, name)) sheds: its largest shares first
+    (ties by name), until its load is at or below ``enter``, each with the load a pod taking it over
+    may reach: ``enter``, or, when that is higher, the pod's load before shedding it less the
+    hysteresis gap ``bound - enter`` (a move that lowers the higher of the two pods by at least the
+    gap: no adapter moves back and forth). Shares no other pod can take are skipped; ``stop`` is
+    returned as the last one when it is reached."""
+    out: list[tuple[str, float]] = []
     for s, n in sorted(items, key=lambda item: (-item[0], item[1])):
         if load <= enter:
             break
+        limit = max(enter, load - (bound - enter))
         if n == stop:
-            out.append(n)
+            out.append((n, limit))
             break
-        if any(q != pod and n not in loads.held.get(q, ()) and loads.load.get(q, 0.0) + s <= enter and fits(q, n)
+        if any(q != pod and n not in loads.held.get(q, ()) and loads.load.get(q, 0.0) + s <= limit and fits(q, n)
                for q in pods):  # fmt: skip
-            out.append(n)
+            out.append((n, limit))
             load -= s
     return out
 
@@ -264,5 +273,5 @@ def relief(
         load = loads.load.get(pod, 0.0)
         if load > bound:
             items = [(loads.share(n), n) for n in loads.held.get(pod, ())]
-            out += _shedding(loads, order, fits, pod, items, load, (1 - hysteresis) * bound)
+            out += [n for n, _ in _shedding(loads, order, fits, pod, items, load, bound, (1 - hysteresis) * bound)]
     return sorted(set(out))
