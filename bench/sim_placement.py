@@ -205,10 +205,9 @@ def simulate(args: argparse.Namespace, s: float, pod_count: int) -> dict[str, An
     previous: dict[str, Placement] = {}
     totals: dict[str, defaultdict[str, float]] = {}
     epsilon, revisits = getattr(args, "epsilon", DEFAULT_EPSILON), getattr(args, "revisits", 4)
+    common = (args.replicas, args.replica_target, args.cooldown, args.scale_down_at)
     scaled = {
-        name: Ours(
-            args.replicas, args.replica_target, args.cooldown, args.scale_down_at, balanced, autoscale, epsilon, revisits
-        )
+        name: Ours(*common, balanced, autoscale, epsilon, revisits)
         for name, balanced, autoscale in (("ours", True, True), ("ours-hrw", False, True), ("fixed-r-bal", True, False))
     }
     for _ in range(args.epochs):
@@ -261,7 +260,7 @@ def main() -> None:
     ap.add_argument("--scale-down-at", type=float, default=SCALE_DOWN_AT, help="ours: shrink below this x target")
     ap.add_argument("--epsilon", type=float, default=DEFAULT_EPSILON, help="ours: balance bound (1 + epsilon) x mean")
     ap.add_argument(
-        "--revisits", type=int, default=4, help="ours: demand polls per epoch that re-place adapters on pods above the bound"
+        "--revisits", type=int, default=4, help="ours: demand polls per epoch (re-place what pods above the bound shed)"
     )
     ap.add_argument("--shift", type=float, default=0.05)
     ap.add_argument("--utilisation", type=float, default=0.7)
