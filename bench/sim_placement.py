@@ -1,4 +1,4 @@
-"""Placement simulation: five policies side by side on the operator's real placement and autoscale code.
+"""Placement simulation: six policies side by side on the operator's real placement and autoscale code.
 
 A fluid model of one fleet over ``--epochs`` epochs ("minutes"). Demand: ``--adapters``
 adapters with Zipf(s) popularity whose ranks shift every epoch (``--shift`` of the adapters
@@ -8,20 +8,23 @@ workers' ``--max-loaded-loras``) and serves ``--pod-rate`` units of demand (mean
 ``--utilisation``). An adapter's demand is split evenly over the pods that serve it.
 
 Policies:
-  fixed-r    every adapter on its top ``--replicas`` HRW pods (``placement.place``), capacity ignored
-  all-pods   every adapter on every pod (Dynamo), capacity ignored
-  affinity   prefer-where-loaded (the gateway's LoRA affinity): an adapter stays on the pods that
-             held it while their load is below 1.25x the mean, else it is loaded on the least
-             loaded pod; a full pod evicts its least-demanded adapter
-  ours       demand-aware replicas decided by the operator's policy (``autoscale.decide``: at least
-             ``--replicas``, a replica carries at most ``--replica-target`` x the mean pod load, grow
-             at once, shrink below ``--scale-down-at`` of the target only after ``--cooldown``
-             epochs), placed with as few moves as possible: held replicas stay on live pods, new
-             ones go along the adapter's HRW order (``placement.place_within``) to pods with room
-             under their capacity and under 1.25x the mean demand load (bounded loads weighted by
-             demand), and only pods above that bound shed replicas (largest share first)
-  ours-hrw   the same replica counts placed the way the operator places them today: the first pods
-             of the adapter's HRW order with room under their capacity (no demand-weighted bound)
+  fixed-r      every adapter on its top ``--replicas`` HRW pods (``placement.place``), capacity ignored
+  all-pods     every adapter on every pod (Dynamo), capacity ignored
+  affinity     prefer-where-loaded (the gateway's LoRA affinity): an adapter stays on the pods that
+               held it while their load is below 1.25x the mean, else it is loaded on the least
+               loaded pod; a full pod evicts its least-demanded adapter
+  ours         the operator as it runs by default for autoscaled adapters: replica counts from its
+               policy (``autoscale.decide``: at least ``--replicas``, a replica carries at most
+               ``--replica-target`` x the mean pod load, grow at once, shrink below ``--scale-down-at``
+               of the target only after ``--cooldown`` epochs), one reconcile pass per adapter per
+               epoch (name order) placing it with the operator's own function
+               ``placement.place_balanced`` (demand-weighted bounded loads, ``--epsilon``, with
+               hysteresis), then ``--revisits`` demand polls, each placing again the adapters that
+               ``placement.relief`` names (those pods above the bound shed)
+  ours-hrw     the same replica counts placed by the plain HRW walk within capacity
+               (``placement.place_within``; the operator's ``--balance off``)
+  fixed-r-bal  fixed ``--replicas`` placed like ``ours`` (the operator's ``--balance all`` for a
+               fixed-replica adapter)
 
 Reported per policy: max/mean pod load, p99 queueing delay (M/M/1 per pod, in units of the mean
 service time), adapter loads per epoch (churn), and over-capacity placements (what would be 507s).
