@@ -12,9 +12,13 @@ The policy (``decide``, a plain function the simulation ``bench/sim_placement.py
   after ``cooldown`` since the last change (cool-down), to ``ceil(demand / (scale_down_at x target))``;
 - always within ``[minReplicas, maxReplicas]`` (a spec change applies at once).
 
-The reconciler places the wanted count along the adapter's HRW order within capacity, so growing
-adds the next pods of that order and shrinking drops the last ones; leavers are unloaded only
+The reconciler places the wanted count along the adapter's HRW order within capacity and, by
+default, by demand-weighted bounded loads (``placement.place_balanced``, weighted by the demand
+this module keeps from the last poll: ``Autoscaler.weights``), so growing adds the next pods of
+that order below the balance bound and shrinking drops the last ones; leavers are unloaded only
 after the shrunk placement is published (make-before-break, ``reconcile._unload_leavers``).
+Adapters a placement left on a pod above the bound (``Autoscaler.revisit``) are re-queued by the
+next poll.
 
 ``Autoscaler`` keeps the per-model state (wanted count, time of the last change) and is what the
 reconciler asks for a model's replica count; ``autoscale_pass`` is one poll of the routers.
