@@ -203,3 +203,29 @@ def test_invalid_arguments(bad: dict[str, float]) -> None:
     replicas = kwargs.pop("replicas")
     with pytest.raises(ValueError):
         place_balanced("x", PODS, replicas, [], Loads({}, None), lambda *_: True, **kwargs)
+
+
+def test_same_placement_whatever_the_hash_seed() -> None:
+    """Listings are sets, whose order follows ``PYTHONHASHSEED``: the placement must not."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_placement_balance as t; "
+        "print(json.dumps(t.converged(t.zipf(t.ADAPTERS)).placement, sort_keys=True))"
+    )
+    here = str(Path(__file__).resolve().parent)
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", script, here],
+            env=os.environ | {"PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    ]
+    assert json.loads(runs[0]) == json.loads(runs[1]) == converged(zipf(ADAPTERS)).placement

@@ -130,7 +130,8 @@ class Loads:
         self.held = held
         self.weights = weights if weights is not None and any(w > 0 for w in weights.values()) else None
         self.holders: Counter[str] = Counter(name for names in held.values() for name in names)
-        self.load = {pod: sum(self.share(name) for name in names) for pod, names in held.items()}
+        # fsum: correctly rounded whatever the order of the set, so the same listings give the same loads
+        self.load = {pod: math.fsum(self.share(name) for name in names) for pod, names in held.items()}
 
     def weight(self, name: str) -> float:
         return 1.0 if self.weights is None else max(0.0, self.weights.get(name, 0.0))
@@ -180,7 +181,7 @@ def place_balanced(
         return []
     weight = loads.weight(model_name)
     base = {p: loads.without(model_name, p) for p in order}
-    bound = (1 + epsilon) * (sum(base.values()) + weight) / len(order)
+    bound = (1 + epsilon) * math.fsum([*base.values(), weight]) / len(order)
     enter = (1 - hysteresis) * bound
     share = weight / replicas
     held = set(current)
@@ -267,7 +268,7 @@ def relief(
     order = sorted(set(pods))
     if not order:
         return []
-    bound = (1 + epsilon) * sum(loads.load.get(p, 0.0) for p in order) / len(order)
+    bound = (1 + epsilon) * math.fsum(loads.load.get(p, 0.0) for p in order) / len(order)
     out: list[str] = []
     for pod in order:
         load = loads.load.get(pod, 0.0)
