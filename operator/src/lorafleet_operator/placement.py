@@ -10,22 +10,31 @@ by pod name). Adding a pod moves a model only if the new pod enters its top
 
 Capacity (``assign``, ``place_within``): consistent hashing with bounded loads (Mirrokni,
 Thorup, Zadimoghaddam 2018) on top of HRW. A model walks its HRW order and skips pods that
-are full: a pod is full at its own capacity (the worker's ``--max-loaded-loras``) or at the
-balance bound ``ceil((1 + epsilon) * m / n)`` (``m`` replicas asked for in all, ``n`` pods),
-whichever is lower. No pod ever holds more than either; a model whose top pods have room lands
-exactly where plain HRW puts it, so movement stays close to HRW's minimum.
+are full: a pod is full at its own capacity (the worker's ``--max-loaded-loras``) and, in
+``assign``, at the count bound ``ceil((1 + epsilon) * m / n)`` (``m`` replicas asked for in all,
+``n`` pods), whichever is lower. No pod ever holds more than either; a model whose top pods have
+room lands exactly where plain HRW puts it, so movement stays close to HRW's minimum. The
+reconciler uses ``place_within`` with capacity alone for fixed-replica adapters.
 
-Demand-weighted balance (``Loads``, ``place_balanced``; what the reconciler does for autoscaled
-adapters by default, and what ``bench/sim_placement.py`` measures as ``ours``): a pod's load is the
-sum, over the adapters it holds, of the adapter's weight (its demand as the routers report it; 1
-each when no demand is known) divided by the number of pods holding it. One adapter at a time,
-given the pods it is placed on now: replicas it holds stay; a pod above the bound
-``(1 + epsilon) x mean`` sheds its largest shares first, down to the entry level, and only an
-adapter in that prefix moves, and only when a pod below the entry level takes it; new replicas go
-along the adapter's HRW order to the first pods with room whose load stays at or below the entry
-level ``(1 - hysteresis) x bound``; when none is, to the least loaded pods with room (HRW order
-on ties). Capacity is never exceeded. The gap between the entry level and the bound is the
-hysteresis: demand that jitters by less than it moves nothing once placed.
+Demand-weighted balance (``Loads``, ``place_balanced``, ``relief``; what the reconciler does for
+autoscaled adapters by default, and what ``bench/sim_placement.py`` measures as ``ours``): a pod's
+load is the sum, over the adapters it holds, of the adapter's weight (its demand as the routers
+report it; 1 each when no demand is known) divided by the number of pods holding it; the bound is
+``(1 + epsilon) x`` the mean load, the entry level ``(1 - hysteresis) x`` the bound. One adapter at
+a time, given the pods it is placed on now:
+- replicas it holds stay, unless their pod is above the bound and the adapter is among the shares
+  that pod sheds: largest first (ties by name), skipping those no other pod can take, until the
+  pod is at or below the entry level;
+- a shed replica goes to the first pod of the adapter's HRW order (with room, not holding it)
+  whose load stays at or below the entry level or, when that is higher, at or below the shedding
+  pod's load less the gap ``bound - entry`` (the higher of the two pods drops by at least the
+  gap, so the sum of squared loads falls and nothing moves back and forth); else it stays;
+- new replicas go to the first pods of the HRW order with room at or below the entry level; when
+  there are not enough, to the least loaded pods with room (HRW order on ties).
+Capacity is never exceeded; the same listings and weights give the same placement (sums are
+``math.fsum``, ties go by HRW order or name). The gap between the entry level and the bound is the
+hysteresis: demand that jitters by less than it moves nothing once placed. ``relief`` names what
+pods above the bound would shed after a placement, for the caller to place again.
 """
 
 from __future__ import annotations
