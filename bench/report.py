@@ -145,14 +145,17 @@ def sim_section(sim: dict[str, Any] | None) -> list[str]:
         f"{a['adapters']} adapters, Zipf demand with {a['shift']:.0%} of the ranks shuffled and one pod replaced per "
         f"epoch, {a['epochs']} epochs; capacity per pod 2.5x the R={a['replicas']} mean. `ours`: the operator's "
         f"autoscale policy (target {a['replica_target']} x the mean pod load per replica, shrink below "
-        f"{a['scale_down_at']} of it after a {a['cooldown']}-epoch cool-down) with demand-bounded, least-movement "
-        "placement; `ours-hrw`: the same counts placed by today's operator walk (HRW within capacity). "
+        f"{a['scale_down_at']} of it after a {a['cooldown']}-epoch cool-down) placed by the operator's own "
+        f"demand-weighted bounded loads (`placement.place_balanced`, epsilon {a.get('epsilon', 0.25)}, one pass per "
+        f"adapter and {a.get('revisits', 4)} demand polls per epoch), its default for autoscaled adapters; "
+        "`ours-hrw`: the same counts placed by the plain HRW walk within capacity (`--balance off`); "
+        "`fixed-r-bal`: fixed R placed like `ours` (`--balance all`). "
         "Loads per epoch = adapter loads (churn); over capacity = what would be 507s.",
         "",
     ]
     rows = []
     for r in sim["results"]:
-        for policy in ("fixed-r", "all-pods", "affinity", "ours", "ours-hrw"):
+        for policy in ("fixed-r", "all-pods", "affinity", "ours", "ours-hrw", "fixed-r-bal"):
             if policy in r:
                 v = r[policy]
                 rows.append([r["zipf"], r["pods"], policy, v["max_over_mean_load"], v["p99_wait_service_times"],

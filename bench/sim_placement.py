@@ -1,4 +1,4 @@
-"""Placement simulation: five policies side by side on the operator's real placement and autoscale code.
+"""Placement simulation: six policies side by side on the operator's real placement and autoscale code.
 
 A fluid model of one fleet over ``--epochs`` epochs ("minutes"). Demand: ``--adapters``
 adapters with Zipf(s) popularity whose ranks shift every epoch (``--shift`` of the adapters
@@ -8,20 +8,23 @@ workers' ``--max-loaded-loras``) and serves ``--pod-rate`` units of demand (mean
 ``--utilisation``). An adapter's demand is split evenly over the pods that serve it.
 
 Policies:
-  fixed-r    every adapter on its top ``--replicas`` HRW pods (``placement.place``), capacity ignored
-  all-pods   every adapter on every pod (Dynamo), capacity ignored
-  affinity   prefer-where-loaded (the gateway's LoRA affinity): an adapter stays on the pods that
-             held it while their load is below 1.25x the mean, else it is loaded on the least
-             loaded pod; a full pod evicts its least-demanded adapter
-  ours       demand-aware replicas decided by the operator's policy (``autoscale.decide``: at least
-             ``--replicas``, a replica carries at most ``--replica-target`` x the mean pod load, grow
-             at once, shrink below ``--scale-down-at`` of the target only after ``--cooldown``
-             epochs), placed with as few moves as possible: held replicas stay on live pods, new
-             ones go along the adapter's HRW order (``placement.place_within``) to pods with room
-             under their capacity and under 1.25x the mean demand load (bounded loads weighted by
-             demand), and only pods above that bound shed replicas (largest share first)
-  ours-hrw   the same replica counts placed the way the operator places them today: the first pods
-             of the adapter's HRW order with room under their capacity (no demand-weighted bound)
+  fixed-r      every adapter on its top ``--replicas`` HRW pods (``placement.place``), capacity ignored
+  all-pods     every adapter on every pod (Dynamo), capacity ignored
+  affinity     prefer-where-loaded (the gateway's LoRA affinity): an adapter stays on the pods that
+               held it while their load is below 1.25x the mean, else it is loaded on the least
+               loaded pod; a full pod evicts its least-demanded adapter
+  ours         the operator as it runs by default for autoscaled adapters: replica counts from its
+               policy (``autoscale.decide``: at least ``--replicas``, a replica carries at most
+               ``--replica-target`` x the mean pod load, grow at once, shrink below ``--scale-down-at``
+               of the target only after ``--cooldown`` epochs), one reconcile pass per adapter per
+               epoch (name order) placing it with the operator's own function
+               ``placement.place_balanced`` (demand-weighted bounded loads, ``--epsilon``, with
+               hysteresis), then ``--revisits`` demand polls, each placing again the adapters that
+               ``placement.relief`` names (those pods above the bound shed)
+  ours-hrw     the same replica counts placed by the plain HRW walk within capacity
+               (``placement.place_within``; the operator's ``--balance off``)
+  fixed-r-bal  fixed ``--replicas`` placed like ``ours`` (the operator's ``--balance all`` for a
+               fixed-replica adapter)
 
 Reported per policy: max/mean pod load, p99 queueing delay (M/M/1 per pod, in units of the mean
 service time), adapter loads per epoch (churn), and over-capacity placements (what would be 507s).
@@ -43,10 +46,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OUT_DIR, log, write_json
 from lorafleet_operator.autoscale import SCALE_DOWN_AT, Policy, decide
-from lorafleet_operator.placement import DEFAULT_EPSILON, place, place_within, rank
+from lorafleet_operator.placement import DEFAULT_EPSILON, Loads, place, place_balanced, place_within, relief
 
 Placement = dict[str, list[str]]
-POLICIES = ("fixed-r", "all-pods", "affinity", "ours", "ours-hrw")
+POLICIES = ("fixed-r", "all-pods", "affinity", "ours", "ours-hrw", "fixed-r-bal")
 AFFINITY_THRESHOLD = 1.25  # the gateway moves on when a holder's load exceeds this x the mean
 
 
@@ -123,23 +126,31 @@ def affinity(previous: Placement, demand: dict[str, float], pods: list[str], cap
 
 
 class Ours:
-    """Demand-aware replicas with the operator's own policy (``autoscale.decide``: grow at once to
-    ``ceil(demand / target)``, shrink below half the target only after ``cooldown`` epochs), placed
-    hottest first along each adapter's HRW order (``placement.place_within``) within capacity.
+    """The operator, one reconcile pass per adapter per epoch: replica counts from its own policy
+    (``autoscale.decide``: grow at once to ``ceil(demand / target)``, shrink below half the target
+    only after ``cooldown`` epochs; ``autoscale=False``: always ``replicas``), placed by its own code.
 
-    ``bound``: also skip pods at 1.25x the mean demand load (bounded loads weighted by demand) for
-    an adapter they do not hold yet; a pod that holds it keeps it (never moved for balance alone,
-    like the reconciler's balance bound)."""
+    ``balanced``: ``placement.place_balanced`` (what the reconciler does for autoscaled adapters by
+    default), weighted by this epoch's demand, given the placement so far; else ``place_within``,
+    the plain HRW walk within capacity (what it does for fixed-replica adapters). Adapters are
+    reconciled in name order (the operator's passes come in no demand order) and each pass sees
+    the pods as the earlier ones left them (the workers' listings)."""
 
-    def __init__(self, replicas: int, target_share: float, cooldown: int, scale_down_at: float, bound: bool) -> None:
+    def __init__(
+        self, replicas: int, target_share: float, cooldown: int, scale_down_at: float, balanced: bool,
+        autoscale: bool = True, epsilon: float = DEFAULT_EPSILON, revisits: int = 4,
+    ) -> None:  # fmt: skip
         self.replicas, self.target_share, self.cooldown = replicas, target_share, cooldown
-        self.scale_down_at, self.bound = scale_down_at, bound
+        self.scale_down_at, self.balanced, self.autoscale, self.epsilon = scale_down_at, balanced, autoscale, epsilon
+        self.revisits = revisits
         self.count: dict[str, int] = {}
         self.changed: dict[str, int] = {}
         self.previous: Placement = {}
         self.epoch = 0
 
     def wanted(self, name: str, demand: float, target: float, pods: int) -> int:
+        if not self.autoscale:
+            return min(self.replicas, pods)
         policy = Policy(min(self.replicas, pods), pods, target)
         current = self.count.get(name, policy.min_replicas)
         since = self.epoch - self.changed.get(name, -(10**9))
@@ -150,73 +161,40 @@ class Ours:
         return decision.replicas
 
     def place(self, demand: dict[str, float], pods: list[str], capacity: int) -> Placement:
-        """Move as little as possible: keep every held replica on a live pod, add or drop replicas
-        where the policy changed the count (along the HRW order, within capacity and the bound),
-        then move replicas off pods above the bound only (largest share first)."""
         live = set(pods)
-        mean = sum(demand.values()) / len(pods)
-        target = self.target_share * mean
-        bound = (1 + DEFAULT_EPSILON) * mean if self.bound else math.inf
-        count = dict.fromkeys(pods, 0)
-        load = dict.fromkeys(pods, 0.0)
+        target = self.target_share * sum(demand.values()) / len(pods)
+        held: dict[str, set[str]] = {pod: set() for pod in pods}
+        for name, on in self.previous.items():
+            for pod in on:
+                if pod in live:
+                    held[pod].add(name)
+        loads = Loads(held, demand)
         placement: Placement = {}
-        for name in sorted(demand, key=lambda n: (-demand[n], n)):
+        for name in sorted(demand):
             wanted = self.wanted(name, demand[name], target, len(pods))
-            kept = [p for p in rank(name, self.previous.get(name, ())) if p in live][:wanted]  # shrink: HRW's last go
-            share = demand[name] / wanted
 
-            def has_room(p: str, share: float = share, kept: list[str] = kept) -> bool:
-                return p not in kept and count[p] < capacity and load[p] + share <= bound
+            def fits(pod: str, name: str) -> bool:
+                return len(held[pod]) - (name in held[pod]) < capacity
 
-            chosen = kept + place_within(name, pods, wanted - len(kept), has_room) if len(kept) < wanted else kept
-            if len(chosen) < wanted:  # no pod under the bound: the least loaded ones with room
-                rest = [p for p in pods if p not in chosen and count[p] < capacity]
-                chosen += sorted(rest, key=lambda p: (load[p], p))[: wanted - len(chosen)]
-            for pod in chosen:
-                count[pod] += 1
-                load[pod] += share
+            if self.balanced:
+                current = [p for p in self.previous.get(name, ()) if p in live]
+                chosen = place_balanced(name, pods, wanted, current, loads, fits, self.epsilon)
+            else:
+                chosen = place_within(name, pods, wanted, lambda pod, name=name: fits(pod, name))
+            loads.set(name, chosen)
             placement[name] = chosen
-        if self.bound:
-            self._relieve(placement, demand, pods, capacity, count, load, bound)
+        for _ in range(self.revisits if self.balanced else 0):  # the autoscale polls in the epoch
+            again = relief(pods, loads, fits, self.epsilon)
+            for name in again:
+                wanted = self.count.get(name, self.replicas) if self.autoscale else min(self.replicas, len(pods))
+                chosen = place_balanced(name, pods, wanted, placement[name], loads, fits, self.epsilon)
+                loads.set(name, chosen)
+                placement[name] = chosen
+            if not again:
+                break
         self.previous = placement
         self.epoch += 1
         return placement
-
-    @staticmethod
-    def _relieve(
-        placement: Placement,
-        demand: dict[str, float],
-        pods: list[str],
-        capacity: int,
-        count: dict[str, int],
-        load: dict[str, float],
-        bound: float,
-    ) -> None:
-        """Move replicas off pods above ``bound`` (largest share first) to the first pod of the
-        adapter's HRW order with room under it."""
-        on: dict[str, list[str]] = defaultdict(list)
-        for name, held in placement.items():
-            for pod in held:
-                on[pod].append(name)
-        for pod in sorted(pods, key=lambda p: -load[p]):
-            for name in sorted(on[pod], key=lambda n: -demand[n] / len(placement[n])):
-                if load[pod] <= bound:
-                    break
-                share = demand[name] / len(placement[name])
-                held = placement[name]
-                to = place_within(
-                    name,
-                    pods,
-                    1,
-                    lambda p, s=share, h=held: p not in h and count[p] < capacity and load[p] + s <= bound,
-                )
-                if not to:
-                    continue
-                held[held.index(pod)] = to[0]
-                load[pod] -= share
-                count[pod] -= 1
-                load[to[0]] += share
-                count[to[0]] += 1
 
 
 def simulate(args: argparse.Namespace, s: float, pod_count: int) -> dict[str, Any]:
@@ -229,9 +207,11 @@ def simulate(args: argparse.Namespace, s: float, pod_count: int) -> dict[str, An
     capacity = args.capacity or math.ceil(2.5 * args.replicas * args.adapters / pod_count)
     previous: dict[str, Placement] = {}
     totals: dict[str, defaultdict[str, float]] = {}
+    epsilon, revisits = getattr(args, "epsilon", DEFAULT_EPSILON), getattr(args, "revisits", 4)
+    common = (args.replicas, args.replica_target, args.cooldown, args.scale_down_at)
     scaled = {
-        name: Ours(args.replicas, args.replica_target, args.cooldown, args.scale_down_at, bound)
-        for name, bound in (("ours", True), ("ours-hrw", False))
+        name: Ours(*common, balanced, autoscale, epsilon, revisits)
+        for name, balanced, autoscale in (("ours", True, True), ("ours-hrw", False, True), ("fixed-r-bal", True, False))
     }
     for _ in range(args.epochs):
         demand = zipf_demand(order, s)
@@ -281,6 +261,10 @@ def main() -> None:
     ap.add_argument("--replica-target", type=float, default=1.0, help="ours: demand per replica / mean pod load")
     ap.add_argument("--cooldown", type=int, default=3, help="ours: epochs after a change before a shrink")
     ap.add_argument("--scale-down-at", type=float, default=SCALE_DOWN_AT, help="ours: shrink below this x target")
+    ap.add_argument("--epsilon", type=float, default=DEFAULT_EPSILON, help="ours: balance bound (1 + epsilon) x mean")
+    ap.add_argument(
+        "--revisits", type=int, default=4, help="ours: demand polls per epoch (re-place what pods above the bound shed)"
+    )
     ap.add_argument("--shift", type=float, default=0.05)
     ap.add_argument("--utilisation", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=17)

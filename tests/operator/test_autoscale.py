@@ -306,3 +306,65 @@ async def test_router_demand_reads_every_address_of_a_name() -> None:
     assert targets is not None and targets[-1] == "http://10.0.0.7:8000/demand"
     assert "http://127.0.0.1:8000/demand" in targets
     await many.close()
+
+
+async def test_autoscaled_placement_steers_around_a_hot_pod_fixed_keeps_hrw(mgmt_workers: list[MgmtWorker]) -> None:
+    """Balance on by default for autoscaled adapters: the routers' demand weighs what each pod holds,
+    and a new replica skips a pod whose weighted load would pass the bound; a fixed-replica adapter
+    (and ``balance="off"``) still takes its top HRW pods; with the demand gone (equal weights) and
+    nothing above the bound, a placed adapter stays where it is."""
+    workers = mgmt_workers[:4]
+    pods = pods_for(workers)
+    model = auto("org/steered", minReplicas=1, maxReplicas=1)
+    top = rank(model.model_name, [p.name for p in pods])[0]
+    hot = workers[[p.name for p in pods].index(top)]
+    hot.loras["org/very-hot"] = "s3://bucket/hot"  # another adapter carrying nearly all the traffic
+    for w in workers:
+        w.loras[f"org/cold-{w.port}"] = "s3://bucket/cold"
+    others = [(m.key, m) for m in (lora("org/very-hot"), *(lora(f"org/cold-{w.port}") for w in workers))]
+
+    async def demand() -> dict[tuple[str, str], float]:
+        return {("ns", "org-very-hot"): 20.0, ("ns", "org-steered"): 1.0}
+
+    scaler = Autoscaler()
+    await autoscale_pass(scaler, [(model.key, model), *others], demand, lambda _: None)
+    assert scaler.weights(model.base_model_name) == pytest.approx(
+        {"org/steered": 1.0, "org/very-hot": 20.0} | {f"org/cold-{w.port}": 0.0 for w in workers}
+    )
+    rec, _ = make(workers, autoscaler=scaler)
+    _, result = await converge(rec, model, pods)
+    placed = result.status["placement"]
+    assert len(placed) == 1 and placed != [top]  # not on the pod that already carries 20 of 21
+    assert "org/steered" not in hot.loras
+
+    plain, _ = make(workers, autoscaler=scaler, balance="off")
+    other = auto("org/steered-too", minReplicas=1, maxReplicas=1)
+    other_top = rank(other.model_name, [p.name for p in pods])[0]
+    _, result = await converge(plain, other, pods)
+    assert result.status["placement"] == [other_top]  # off: its top HRW pod, whatever it carries
+    fixed = lora("org/fixed-one", replicas=1)
+    _, result = await converge(rec, fixed, pods)
+    assert result.status["placement"] == rank(fixed.model_name, [p.name for p in pods])[:1]
+
+
+def test_balance_settings_are_validated(mgmt_workers: list[MgmtWorker]) -> None:
+    with pytest.raises(ValueError):
+        make(mgmt_workers, balance="sometimes")
+    with pytest.raises(ValueError):
+        make(mgmt_workers, balance_epsilon=-1.0)
+
+
+async def test_autoscale_pass_requeues_what_a_placement_left_above_the_bound() -> None:
+    scaler = Autoscaler()
+    shed, other = lora("org/shed-me"), lora("org/stays")
+    scaler.revisit.add((shed.base_model_name, shed.model_name))
+    queued: list[tuple[str, str]] = []
+
+    async def nothing() -> None:
+        return None
+
+    await autoscale_pass(scaler, [(shed.key, shed), (other.key, other)], nothing, queued.append)
+    assert queued == [shed.key] and not scaler.revisit  # once: the set is drained
+    assert scaler.weights(shed.base_model_name) is None  # no poll answered: equal weights
+    await autoscale_pass(scaler, [(shed.key, shed), (other.key, other)], nothing, queued.append)
+    assert queued == [shed.key]

@@ -40,6 +40,18 @@ def test_bad_values_are_clear_errors() -> None:
         parse([], {"LORAFLEET_DEFAULT_REPLICAS": "two"})
     with pytest.raises(ValueError, match="replicas"):
         parse(["--default-replicas", "0"], {})
+    with pytest.raises(ValueError, match="--balance"):
+        parse(["--balance", "sometimes"], {})
+    with pytest.raises(ValueError, match="--balance-epsilon"):
+        parse([], {"LORAFLEET_BALANCE_EPSILON": "-0.5"})
+
+
+def test_balance_defaults_to_autoscaled_adapters_with_epsilon_a_quarter() -> None:
+    s = parse([], {})
+    assert (s.balance, s.balance_epsilon) == ("autoscaled", 0.25)
+    s = parse(["--balance", "all", "--balance-epsilon", "0.1"], {"LORAFLEET_BALANCE": "off"})
+    assert (s.balance, s.balance_epsilon) == ("all", 0.1)
+    assert parse([], {"LORAFLEET_BALANCE": "off"}).balance == "off"
 
 
 @pytest.mark.parametrize("prog", ["lorafleet-operator", "lorafleet-router"])
@@ -50,6 +62,8 @@ def test_help(prog: str) -> None:
     if prog == "lorafleet-operator":
         for flag in ("--default-replicas", "--store-bucket", "--admin-token-file", "--liveness-port", "--peering"):
             assert flag in out.stdout
+        assert "--balance BALANCE" in out.stdout and "--balance-epsilon BALANCE_EPSILON" in out.stdout
+        assert "LORAFLEET_BALANCE_EPSILON" in " ".join(out.stdout.split())
         assert "LORAFLEET_DEFAULT_REPLICAS" in out.stdout
     else:
         assert "--router-port" in out.stdout and "--store-bucket" not in out.stdout

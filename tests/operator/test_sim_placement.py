@@ -1,5 +1,6 @@
-"""bench/sim_placement.py: "ours" (the operator's autoscale policy plus bounded-load placement) keeps
-max/mean pod load at the 1.25 bound, never exceeds a pod's capacity, and churns within 2x of fixed R."""
+"""bench/sim_placement.py: "ours" (the operator's autoscale policy plus its demand-weighted bounded-load
+placement) keeps max/mean pod load at the 1.25 bound, never exceeds a pod's capacity, and churns within
+2x of fixed R."""
 
 from __future__ import annotations
 
@@ -40,10 +41,17 @@ def test_ours_replica_counts_come_from_the_operator_policy(sim: ModuleType) -> N
     from lorafleet_operator.autoscale import decide
 
     assert sim.decide is decide
-    policy = sim.Ours(replicas=2, target_share=1.0, cooldown=3, scale_down_at=0.5, bound=True)
+    policy = sim.Ours(replicas=2, target_share=1.0, cooldown=3, scale_down_at=0.5, balanced=True)
     pods = 10
     assert policy.wanted("hot", 5.0, 1.0, pods) == 5  # grows at once
     policy.epoch += 1
     assert policy.wanted("hot", 1.0, 1.0, pods) == 5  # cooling down: no shrink yet
     policy.epoch += 3
     assert policy.wanted("hot", 1.0, 1.0, pods) == 2  # after the cool-down, back to the minimum
+
+
+def test_ours_places_with_the_operator_function(sim: ModuleType) -> None:
+    from lorafleet_operator import placement
+
+    assert sim.place_balanced is placement.place_balanced and sim.relief is placement.relief
+    assert sim.Loads is placement.Loads

@@ -12,9 +12,13 @@ The policy (``decide``, a plain function the simulation ``bench/sim_placement.py
   after ``cooldown`` since the last change (cool-down), to ``ceil(demand / (scale_down_at x target))``;
 - always within ``[minReplicas, maxReplicas]`` (a spec change applies at once).
 
-The reconciler places the wanted count along the adapter's HRW order within capacity, so growing
-adds the next pods of that order and shrinking drops the last ones; leavers are unloaded only
+The reconciler places the wanted count along the adapter's HRW order within capacity and, by
+default, by demand-weighted bounded loads (``placement.place_balanced``, weighted by the demand
+this module keeps from the last poll: ``Autoscaler.weights``), so growing adds the next pods of
+that order below the balance bound and shrinking drops the last ones; leavers are unloaded only
 after the shrunk placement is published (make-before-break, ``reconcile._unload_leavers``).
+Adapters a placement left on a pod above the bound (``Autoscaler.revisit``) are re-queued by the
+next poll.
 
 ``Autoscaler`` keeps the per-model state (wanted count, time of the last change) and is what the
 reconciler asks for a model's replica count; ``autoscale_pass`` is one poll of the routers.
@@ -129,6 +133,20 @@ class Autoscaler:
         self.scale_down_at = scale_down_at
         self.clock = clock
         self._state: dict[str, _State] = {}  # model uid -> state
+        self._demand: dict[str, dict[str, float]] | None = None  # base model -> modelName -> demand (last poll)
+        self.revisit: set[tuple[str, str]] = set()  # (base model, modelName): to place again (placement.relief)
+
+    def note_demand(self, models: Iterable[tuple[tuple[str, str], Model]], demand: Demand) -> None:
+        """Keep every adapter's demand from the last poll (the balance weights of its base model's pods)."""
+        weights: dict[str, dict[str, float]] = {}
+        for key, model in models:
+            if model.is_lora and not model.deleting:
+                weights.setdefault(model.base_model_name, {})[model.model_name] = demand.get(key, 0.0)
+        self._demand = weights
+
+    def weights(self, base_model_name: str) -> dict[str, float] | None:
+        """modelName -> demand on ``base_model_name``'s pods, as of the last poll (None: no poll answered yet)."""
+        return None if self._demand is None else self._demand.get(base_model_name, {})
 
     def _current(self, model: Model, policy: Policy) -> _State:
         state = self._state.get(model.uid)
@@ -209,12 +227,20 @@ async def autoscale_pass(
     fetch: DemandSource,
     enqueue: Callable[[tuple[str, str]], None],
 ) -> list[tuple[str, str]]:
-    """One poll: apply the policy to every autoscaled model, re-queue those whose count (or reason) changed.
+    """One poll: apply the policy to every autoscaled model, re-queue those whose count (or reason)
+    changed, and those a placement asked to place again (``Autoscaler.revisit``: adapters on pods
+    above the balance bound). Keeps the demand as the balance weights (``Autoscaler.weights``).
 
     When no router answered, nothing changes (no demand data is not zero demand)."""
+    models = list(models)
+    revisit, autoscaler.revisit = autoscaler.revisit, set()
+    for key, model in models:
+        if (model.base_model_name, model.model_name) in revisit and model.is_lora and not model.deleting:
+            enqueue(key)
     demand = await fetch()
     if demand is None:
         return []
+    autoscaler.note_demand(models, demand)
     changed = []
     for key, model in models:
         if not model.autoscaling or not model.is_lora or model.deleting:

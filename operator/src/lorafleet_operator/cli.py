@@ -101,6 +101,8 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
             retry_max=settings.retry_max,
             unload_grace=settings.unload_grace,
             autoscaler=Autoscaler(cooldown=settings.autoscale_cooldown),
+            balance=settings.balance,
+            balance_epsilon=settings.balance_epsilon,
         )
         runtime = handlers.Runtime(settings, reconciler, handlers.kube_status_writer(kube), kube)
         liveness = f"http://{settings.bind_host}:{settings.liveness_port}/healthz" if settings.liveness_port else None

@@ -11,11 +11,15 @@ One pass:
    (the store copy). ``s3://`` / ``file://`` (or ``hf://`` without a store) load directly.
 2. target = the source's URI, or, while it syncs or after it failed (sync failure, a worker's
    400), the last good version (``status.servedUri``): a failed hot swap keeps serving.
-3. placement = the first ``replicas`` Ready pods in HRW order that have room (bounded loads,
-   ``placement.place_within``): a pod is full at the capacity its ``GET /v1/loras`` reports
-   (``--max-loaded-loras``) and, only when ``balance_epsilon`` is set (off by default: the
-   bound depends on the observed listings, so placements would depend on history), for a pod
-   that does not hold the adapter yet, at ``ceil((1 + epsilon) * adapters / pods)``. Adapters that
+3. placement: a pod is full at the capacity its ``GET /v1/loras`` reports (``--max-loaded-loras``).
+   Fixed-replica adapters (``balance="autoscaled"``, the default) take the first ``replicas`` Ready
+   pods in HRW order that have room (``placement.place_within``). Autoscaled ones (every adapter
+   with ``balance="all"``) are placed by demand-weighted bounded loads (``placement.place_balanced``,
+   ``balance_epsilon``): the pods' loads are the listed adapters weighted by the routers' demand
+   (``Autoscaler.weights``; equal weights before any demand is known), replicas stay where they are
+   unless their pod is above ``(1 + epsilon) x`` the mean and they are among its largest movable
+   shares, new ones go along the HRW order to pods below the entry level; adapters left on a pod
+   above the bound are re-queued by the next demand poll (``Autoscaler.revisit``). Adapters that
    do not fit (or get a worker's 507) show ``InsufficientCapacity`` and are retried with backoff.
 4. load the target on every placed pod whose ``GET /v1/loras`` lacks the adapter or that holds
    another URI (hot swap); listings are cached per pod for ``listing_ttl`` (the drift pass
@@ -46,7 +50,7 @@ from lorafleet_operator import metrics
 from lorafleet_operator import status as st
 from lorafleet_operator.autoscale import LIMITED_BY_CAPACITY, Autoscaler, Decision
 from lorafleet_operator.ledger import Ledger, MemoryLedger
-from lorafleet_operator.placement import load_bound, place_within
+from lorafleet_operator.placement import DEFAULT_EPSILON, Loads, place_balanced, place_within, relief
 from lorafleet_operator.resources import Model, Pod
 from lorafleet_operator.workers import WorkerClient, WorkerError
 
@@ -54,6 +58,7 @@ log = logging.getLogger(__name__)
 
 NORMAL, WARNING = "Normal", "Warning"
 SYNC_POLL_SECONDS = 5.0
+BALANCE_SCOPES = ("autoscaled", "all", "off")  # which adapters place_balanced places
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,8 @@ class Reconciler:
         retry_base: float = 1.0,
         retry_max: float = 60.0,
         unload_grace: float = 5.0,
-        balance_epsilon: float | None = None,
+        balance_epsilon: float = DEFAULT_EPSILON,
+        balance: str = "autoscaled",
         autoscaler: Autoscaler | None = None,
         progress_after: float = 1.0,
     ) -> None:
@@ -145,7 +151,10 @@ class Reconciler:
         self.retry_base = retry_base
         self.retry_max = retry_max
         self.unload_grace = unload_grace
+        if balance not in BALANCE_SCOPES or balance_epsilon < 0:
+            raise ValueError(f"balance must be one of {BALANCE_SCOPES}, epsilon >= 0: {balance}, {balance_epsilon}")
         self.balance_epsilon = balance_epsilon
+        self.balance = balance
         self.autoscaler = autoscaler or Autoscaler()
         self.progress_after = progress_after  # a first load publishes "Loading" only once it takes this long
         self._listings: dict[str, _Listing] = {}
@@ -286,7 +295,7 @@ class Reconciler:
 
         live = sorted(p for p in pods if (p.ready or p.serving) and p.ip)  # terminating pods still serve
         listings = await self._listings_of(live)
-        placement = self._place(model.model_name, ready_pods, replicas, listings)
+        placement = self._place(model, ready_pods, replicas, listings, balanced=self._balanced(scaling))
         self._count_churn(model, [p.name for p in placement])
         short = min(replicas, len(ready_pods)) - len(placement)  # replicas no pod has room for
         limited = scaling is not None and short > 0
@@ -553,30 +562,39 @@ class Reconciler:
             requeue = min(self.retry_max, self.retry_base * 2 ** (n - 1))
         return Result(st.render(observed, model.status), requeue_after=requeue)
 
+    def _balanced(self, scaling: Decision | None) -> bool:
+        return self.balance == "all" or (self.balance == "autoscaled" and scaling is not None)
+
     def _place(
-        self, model_name: str, ready_pods: list[Pod], replicas: int, listings: Mapping[Pod, set[str] | None]
+        self,
+        model: Model,
+        ready_pods: list[Pod],
+        replicas: int,
+        listings: Mapping[Pod, set[str] | None],
+        *,
+        balanced: bool = False,
     ) -> list[Pod]:
-        """The pods for ``model_name``: its HRW order, skipping full pods (see the module docstring)."""
+        """The pods for ``model``: its HRW order skipping full pods, or, ``balanced``, by
+        demand-weighted bounded loads (see the module docstring)."""
+        model_name = model.model_name
         by_name = {p.name: p for p in ready_pods}
 
-        def others(pod: str) -> int:  # adapters other than this one on ``pod`` (no copy of its listing)
-            names = listings[by_name[pod]] or set()
-            return len(names) - (model_name in names)
-
-        bound = None
-        if self.balance_epsilon is not None:
-            total = sum(others(p.name) for p in ready_pods) + min(replicas, len(ready_pods))
-            bound = load_bound(total, len(ready_pods), self.balance_epsilon)
-
-        def has_room(pod: str) -> bool:  # asked only along the model's HRW order, until it is placed
+        def fits(pod: str, name: str = model_name) -> bool:  # capacity left for ``name`` (no copy of the listing)
             listing = self._listings.get(by_name[pod].uid)
             cap = listing.capacity if listing is not None else None
-            if cap is not None and others(pod) >= cap:
-                return False
-            holds = model_name in (listings[by_name[pod]] or ())
-            return bound is None or holds or others(pod) < bound  # never evicted for balance alone
+            names = listings[by_name[pod]] or set()
+            return cap is None or len(names) - (name in names) < cap
 
-        return [by_name[n] for n in place_within(model_name, by_name, replicas, has_room)]
+        if not balanced:
+            return [by_name[n] for n in place_within(model_name, by_name, replicas, fits)]
+        held = {p.name: set(listings[p] or ()) for p in ready_pods}  # a copy: ``relief`` updates it
+        loads = Loads(held, self.autoscaler.weights(model.base_model_name))
+        current = [str(n) for n in model.status.get("placement") or ()]
+        chosen = place_balanced(model_name, by_name, replicas, current, loads, fits, self.balance_epsilon)
+        if chosen != current:  # pods it joined may now be above the bound: their movable shares go again
+            loads.set(model_name, chosen)
+            self.autoscaler.revisit.update((model.base_model_name, n) for n in relief(by_name, loads, fits))
+        return [by_name[n] for n in chosen]
 
     def _count_churn(self, model: Model, placement: list[str]) -> None:
         before = set(model.status.get("placement") or [])

@@ -80,6 +80,18 @@ class Settings:
     autoscale_cooldown: float = _opt(
         300.0, "LORAFLEET_AUTOSCALE_COOLDOWN", "seconds after a replica change before an autoscaled adapter shrinks"
     )
+    balance: str = _opt(
+        "autoscaled",
+        "LORAFLEET_BALANCE",
+        "which adapters are placed by demand-weighted bounded loads: autoscaled (spec.autoscaling only; "
+        "fixed-replica ones take their top HRW pods with room), all, or off (plain HRW within capacity)",
+    )
+    balance_epsilon: float = _opt(
+        0.25,
+        "LORAFLEET_BALANCE_EPSILON",
+        "balance bound: a pod above (1 + epsilon) x the mean demand-weighted load sheds its largest "
+        "movable adapters; new replicas land only below 0.9x that bound",
+    )
     retry_base: float = _opt(1.0, "LORAFLEET_RETRY_BASE", "first retry delay (doubles up to --retry-max)")
     retry_max: float = _opt(60.0, "LORAFLEET_RETRY_MAX", "longest retry delay")
     # process
@@ -129,6 +141,8 @@ class Settings:
             raise ValueError("default replicas must be >= 1")
         if settings.demand_window <= 0 or settings.autoscale_interval <= 0 or settings.autoscale_cooldown < 0:
             raise ValueError("demand window and autoscale interval must be > 0, the cool-down >= 0")
+        if settings.balance not in ("autoscaled", "all", "off") or settings.balance_epsilon < 0:
+            raise ValueError("--balance must be autoscaled, all or off, and --balance-epsilon >= 0")
         return settings
 
 
