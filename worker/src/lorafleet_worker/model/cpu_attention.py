@@ -31,21 +31,86 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// Widen one element to float: float as is, bfloat16 by a 16-bit shift (vectorizes under `omp simd`).
+static inline float widen(float x) { return x; }
+static inline float widen(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// exp(x) for x <= 0 (scores minus their max): Cody-Waite range reduction and Cephes' expf polynomial,
+// about 1 ulp, branch-free so that the softmax loop vectorizes (std::exp does not without -ffast-math).
+static inline float exp_nonpos(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return y * scale;
+}
+
+// q . k over D values (q already float), and acc += p * v: AVX-512 where the compiler targets it and
+// D is a multiple of 16 (head dims 64, 128, ...), portable loops otherwise.
+#if defined(__AVX512F__)
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#endif
 
 template <typename T>
-static inline const float* as_float(const T* src, float* buf, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
-  return buf;
+static inline float dot(const float* q, const T* k, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), a);
+    return _mm512_reduce_add_ps(a);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t d = 0; d < D; ++d) s += q[d] * widen(k[d]);
+  return s;
 }
 
-template <>
-inline const float* as_float<float>(const float* src, float*, int64_t) {
-  return src;
+template <typename T>
+static inline void axpy(float p, const T* v, float* acc, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    const __m512 pp = _mm512_set1_ps(p);
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pp, load16(v + d), _mm512_loadu_ps(acc + d)));
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) acc[d] += p * widen(v[d]);
 }
 
-// One work item per sequence: each token's K (then V) row of all KV heads is contiguous in its block
-// ([block, offset, KVH, D]), so a sequence's blocks are read front to back, each byte once.
+// One work item per (sequence, range of KV heads): the query heads of those KV heads score every
+// token's key slice (D contiguous values per KV head in the token's [KVH, D] row of its block), then
+// the softmax, then the weighted sum of the value rows. With enough sequences an item takes all KV
+// heads, so it reads its sequence's blocks front to back as whole rows (the prefetcher's best case;
+// the next block, anywhere in the pool, is prefetched a row at a time while the current one is read);
+// with few sequences the KV heads are split so every thread has work. Items are spread over ATen's
+// (OpenMP) thread pool.
 template <typename T>
 static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
                         const at::Tensor& lens, at::Tensor& out, double scale, int64_t window) {
@@ -58,58 +123,73 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(H * D), acc(H * D), row(row_len), scores, denom(H);
-    for (int64_t b = begin; b < end; ++b) {
+  const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t splits = B >= want ? 1 : std::min<int64_t>(KVH, (want + B - 1) / B);
+  const int64_t per_split = (KVH + splits - 1) / splits;
+  const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(T));
+  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), acc(H * D), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / splits, kv0 = (item % splits) * per_split;
+      const int64_t kv1 = std::min(KVH, kv0 + per_split);
+      if (kv0 >= kv1) continue;
+      const int64_t h0 = kv0 * G, nh = (kv1 - kv0) * G;  // query heads [h0, h0 + nh)
       const int64_t len = lp[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
-      scores.resize(H * n);
-      const T* qb = qp + b * H * D;
-      for (int64_t j = 0; j < H * D; ++j) qf[j] = static_cast<float>(qb[j]) * fscale;
+      T* ob = op + (b * H + h0) * D;
+      if (n <= 0) {
+        for (int64_t j = 0; j < nh * D; ++j) ob[j] = static_cast<T>(0.f);
+        continue;
+      }
+      scores.resize(nh * n);
+      const T* qb = qp + (b * H + h0) * D;
+      for (int64_t j = 0; j < nh * D; ++j) qf[j] = widen(qb[j]) * fscale;
       const int32_t* table = btp + b * maxb;
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        const T* kr = kp + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_len;
-        const float* rf = as_float<T>(kr, row.data(), row_len);
-        for (int64_t hh = 0; hh < H; ++hh) {  // query head hh reads KV head hh / G
-          const float* qh = qf.data() + hh * D;
-          const float* kh = rf + (hh / G) * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
-          scores[hh * n + t] = s;
+      for (int pass = 0; pass < 2; ++pass) {  // 0: scores over K, 1: weighted sum over V
+        const T* base = pass == 0 ? kp : vp;
+        if (pass == 1) std::fill(acc.begin(), acc.begin() + nh * D, 0.f);
+        for (int64_t t = 0; t < n;) {
+          const int64_t pos = first + t;
+          const int64_t blk = table[pos / bs], off = pos % bs;
+          const int64_t run = std::min(bs - off, n - t);
+          const T* row = base + (blk * bs + off) * row_len + kv0 * D;
+          const int64_t tn = t + run;  // the next block, prefetched a row per row read
+          const char* next = nullptr;
+          if (tn < n) next = reinterpret_cast<const char*>(base + int64_t{table[(first + tn) / bs]} * bs * row_len);
+          for (int64_t i = 0; i < run; ++i, row += row_len) {
+            if (next != nullptr) {
+              for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(next + i * row_bytes + c);
+            }
+            for (int64_t hh = 0; hh < nh; ++hh) {
+              const T* r = row + (hh / G) * D;
+              if (pass == 0) {
+                scores[hh * n + t + i] = dot(qf.data() + hh * D, r, D);
+              } else {
+                axpy(scores[hh * n + t + i], r, acc.data() + hh * D, D);
+              }
+            }
+          }
+          t = tn;
         }
-      }
-      for (int64_t hh = 0; hh < H; ++hh) {
-        float* sh = scores.data() + hh * n;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, sh[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          sh[t] = std::exp(sh[t] - m);
-          sum += sh[t];
-        }
-        denom[hh] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        const T* vr = vp + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_len;
-        const float* rf = as_float<T>(vr, row.data(), row_len);
-        for (int64_t hh = 0; hh < H; ++hh) {
-          const float p = scores[hh * n + t];
-          const float* vh = rf + (hh / G) * D;
-          float* ah = acc.data() + hh * D;
+        if (pass == 1) break;
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          float* sh = scores.data() + hh * n;
+          float m = sh[0];
+          for (int64_t t = 1; t < n; ++t) m = std::max(m, sh[t]);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < n; ++t) {
+            const float e = exp_nonpos(sh[t] - m);
+            sh[t] = e;
+            sum += e;
+          }
+          const float inv = 1.f / sum;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ah[d] += p * vh[d];
+          for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
         }
       }
-      T* ob = op + b * H * D;
-      for (int64_t hh = 0; hh < H; ++hh) {
-        const float inv = 1.f / denom[hh];
-        for (int64_t d = 0; d < D; ++d) ob[hh * D + d] = static_cast<T>(acc[hh * D + d] * inv);
-      }
+      for (int64_t j = 0; j < nh * D; ++j) ob[j] = static_cast<T>(acc[j]);
     }
   });
 }
@@ -120,6 +200,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "head shapes");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0), "one table and length per query");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
@@ -146,10 +227,11 @@ def _module() -> Any | None:
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name="lorafleet_cpu_attention_v2",
+            name="lorafleet_cpu_attention_v5",
             cpp_sources=[_SOURCE],
             functions=["paged_decode"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path still works

@@ -17,10 +17,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lorafleet_worker.config import ModelConfig
+from lorafleet_worker.model import cpu_linear
 from lorafleet_worker.model.attention import paged_attention
 from lorafleet_worker.model.forward_batch import ForwardBatch, LoRAContext
 from lorafleet_worker.model.loading import Checkpoint, parse_dtype
 from lorafleet_worker.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+base_linear = cpu_linear.linear  # every base-model GEMM goes through here (the benchmarks' hooks wrap it)
+GROUPS = ("qkv", "o", "gate_up", "down")
 
 if TYPE_CHECKING:
     from lorafleet_worker.kv_cache import PagedKVCache
@@ -72,9 +76,10 @@ class DecoderLayer(nn.Module):
         self.down_w, self.down_b = _linear_params(config.hidden_size, config.intermediate_size, bias.mlp)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.packed: dict[str, Tensor] = {}  # group -> oneDNN-packed weight (CPU, `Transformer.pack_weights`)
 
     def _proj(self, x: Tensor, w: Tensor, b: Tensor | None, group: str, lora: LoRAContext | None) -> Tensor:
-        out = F.linear(x, w, b)
+        out = base_linear(x, w, b, self.packed.get(group))
         if lora is not None:
             lora.apply(self.idx, group, x, out)
         return out
@@ -103,6 +108,13 @@ class DecoderLayer(nn.Module):
         return h + self._proj(F.silu(gate) * up, self.down_w, self.down_b, "down", lora)
 
 
+def _dense_state_dict(module: nn.Module, state: dict[str, Tensor], prefix: str, _meta: object) -> None:
+    """state_dict() of a packed model gives the dense weights back (read out of the packed ones)."""
+    assert isinstance(module, Transformer)
+    for name, packed in module.packed_weights().items():
+        state[prefix + name] = packed.to_dense()
+
+
 class Transformer(nn.Module):
     """The base model. `forward(batch, kv)` returns float32 logits for `batch.logits_indices`."""
 
@@ -118,9 +130,11 @@ class Transformer(nn.Module):
         self.lm_head: nn.Parameter | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.packed_head: Tensor | None = None  # lm_head packed for oneDNN (`pack_weights`)
         self.inv_freq: Tensor
         inv_freq, self.rope_scale = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._register_state_dict_hook(_dense_state_dict)
 
     @property
     def device(self) -> torch.device:
@@ -139,7 +153,51 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, batch, kv, self.attn_backend)
         h = self.norm(h[batch.logits_indices])
         head = self.lm_head if self.lm_head is not None else self.embed
-        return F.linear(h, head).float()
+        return base_linear(h, head, None, self.packed_head).float()
+
+    def pack_weights(self) -> int:
+        """On CPU, reorder every projection's weight (and lm_head) once for oneDNN (`cpu_linear.py`).
+
+        The dense copy of a packed projection is released (its parameter keeps dtype, not data); a tied
+        lm_head is packed as a copy beside the embedding, which lookups still read. Returns the number of
+        weights packed (0 where oneDNN cannot serve this model: it keeps `F.linear`).
+        """
+        packed = 0
+        for layer in self._decoder_layers():
+            for group in GROUPS:
+                w: nn.Parameter = getattr(layer, f"{group}_w")
+                p = cpu_linear.pack(w)
+                if p is None:
+                    return packed
+                layer.packed[group] = p
+                w.data = w.data.new_empty(0)
+                packed += 1
+        head = self.lm_head if self.lm_head is not None else self.embed
+        self.packed_head = cpu_linear.pack(head)
+        if self.packed_head is not None:
+            packed += 1
+            if self.lm_head is not None:
+                self.lm_head.data = self.lm_head.data.new_empty(0)
+        return packed
+
+    def _decoder_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+
+    def weight_nbytes(self) -> int:
+        """Bytes the weights hold: parameters, plus every packed weight (a tied lm_head's packed copy too)."""
+        dense = sum(p.nbytes for p in self.parameters())
+        packed = [p for layer in self._decoder_layers() for p in layer.packed.values()]
+        if self.packed_head is not None:
+            packed.append(self.packed_head)
+        return dense + sum(p.numel() * p.element_size() for p in packed)
+
+    def packed_weights(self) -> dict[str, Tensor]:
+        """Parameter name -> its oneDNN-packed weight, for every weight `pack_weights` released."""
+        layers = self._decoder_layers()
+        out = {f"layers.{i}.{g}_w": p for i, layer in enumerate(layers) for g, p in layer.packed.items()}
+        if self.packed_head is not None and self.lm_head is not None:
+            out["lm_head"] = self.packed_head
+        return out
 
     @classmethod
     def from_pretrained(
@@ -165,4 +223,6 @@ class Transformer(nn.Module):
             model.to(dtype=dt).to_empty(device=dev)
             model.inv_freq = rope_inv_freq(config)[0].to(dev)  # stays float32
             ckpt.load_into(model)
+        if dev.type == "cpu":
+            model.pack_weights()
         return model.eval()
