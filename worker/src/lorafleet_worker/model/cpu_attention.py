@@ -194,6 +194,129 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   });
 }
 
+// ---- small fused ops of a decoder layer (the same rounding as the torch ops they replace) ----
+
+template <typename T>
+static inline T narrow_to(float x) { return static_cast<T>(x); }
+
+// out = w * T(x * rsqrt(mean(x^2) + eps)), x read as float (Hugging Face's LlamaRMSNorm); with `delta`,
+// h += delta first (rounded to T) and the sum is what is normalised.
+template <typename T>
+static void rms_norm_impl(at::Tensor& h, const at::Tensor* delta, const at::Tensor& w, at::Tensor& out, double eps) {
+  const int64_t rows = h.size(0), dim = h.size(1);
+  T* hp = h.data_ptr<T>();
+  const T* dp = delta != nullptr ? delta->data_ptr<T>() : nullptr;
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t hs = h.stride(0), ds = delta != nullptr ? delta->stride(0) : 0;
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* x = hp + r * hs;
+      if (dp != nullptr) {
+        const T* d = dp + r * ds;
+        for (int64_t i = 0; i < dim; ++i) x[i] = narrow_to<T>(widen(x[i]) + widen(d[i]));
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < dim; ++i) ss += widen(x[i]) * widen(x[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + static_cast<float>(eps));
+      T* o = op + r * dim;
+      for (int64_t i = 0; i < dim; ++i) o[i] = narrow_to<T>(widen(wp[i]) * widen(narrow_to<T>(widen(x[i]) * inv)));
+    }
+  });
+}
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.size(0) == x.size(1), "rms_norm shapes");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm dtypes");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kFloat) rms_norm_impl<float>(x, nullptr, w, out, eps);
+  else if (x.scalar_type() == at::kBFloat16) rms_norm_impl<at::BFloat16>(x, nullptr, w, out, eps);
+  else TORCH_CHECK(false, "float32 or bfloat16 only");
+  return out;
+}
+
+// h += delta in place, then returns rms_norm(h).
+at::Tensor add_rms_norm_(at::Tensor h, at::Tensor delta, at::Tensor w, double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.stride(1) == 1 && delta.sizes() == h.sizes() && delta.stride(1) == 1, "shapes");
+  TORCH_CHECK(w.is_contiguous() && w.size(0) == h.size(1), "rms_norm weight");
+  TORCH_CHECK(h.scalar_type() == w.scalar_type() && h.scalar_type() == delta.scalar_type(), "dtypes");
+  auto out = at::empty({h.size(0), h.size(1)}, h.options());
+  if (h.scalar_type() == at::kFloat) rms_norm_impl<float>(h, &delta, w, out, eps);
+  else if (h.scalar_type() == at::kBFloat16) rms_norm_impl<at::BFloat16>(h, &delta, w, out, eps);
+  else TORCH_CHECK(false, "float32 or bfloat16 only");
+  return out;
+}
+
+// gate_up [T, 2I] (gate | up) -> T(silu(gate)) * up, each op rounded to T as F.silu(gate) * up does.
+template <typename T>
+static void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2, rs = gu.stride(0);
+  const T* gp = gu.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gp + r * rs;
+      const T* u = g + inter;
+      T* o = op + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = widen(g[i]);
+        const float e = exp_nonpos(-std::fabs(x));  // silu(x) = x * sigmoid(x), sigmoid from exp(-|x|)
+        const float sig = (x >= 0.f ? 1.f : e) / (1.f + e);
+        const float s = widen(narrow_to<T>(x * sig));
+        o[i] = narrow_to<T>(s * widen(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0, "silu_mul shapes");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) silu_mul_impl<float>(gate_up, out);
+  else if (gate_up.scalar_type() == at::kBFloat16) silu_mul_impl<at::BFloat16>(gate_up, out);
+  else TORCH_CHECK(false, "float32 or bfloat16 only");
+  return out;
+}
+
+// In place on x [T, heads, D] (any row/head strides, unit stride in D): rotate-half RoPE with tables
+// cos/sin [T, D] (already scaled and in x's dtype): x*cos + rotate_half(x)*sin, rounded like the torch ops.
+template <typename T>
+static void rope_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t rows = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(D);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cp + r * D;
+      const T* s = sp + r * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = xp + r * s0 + h * s1;
+        for (int64_t i = 0; i < D; ++i) {
+          const float rot = i < half ? -widen(v[i + half]) : widen(v[i - half]);
+          const float a = widen(narrow_to<T>(widen(v[i]) * widen(c[i])));
+          const float b = widen(narrow_to<T>(rot * widen(s[i])));
+          tmp[i] = widen(narrow_to<T>(a + b));
+        }
+        for (int64_t i = 0; i < D; ++i) v[i] = narrow_to<T>(tmp[i]);
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rope shapes");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2), "rope tables");
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && x.scalar_type() == sin.scalar_type(), "rope dtypes");
+  if (x.scalar_type() == at::kFloat) rope_impl<float>(x, cos, sin);
+  else if (x.scalar_type() == at::kBFloat16) rope_impl<at::BFloat16>(x, cos, sin);
+  else TORCH_CHECK(false, "float32 or bfloat16 only");
+}
+
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                         at::Tensor seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
@@ -227,9 +350,9 @@ def _module() -> Any | None:
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name="lorafleet_cpu_attention_v5",
+            name="lorafleet_cpu_ops_v6",
             cpp_sources=[_SOURCE],
-            functions=["paged_decode"],
+            functions=["paged_decode", "rms_norm", "add_rms_norm_", "silu_mul", "rope_"],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -260,4 +383,35 @@ def paged_decode(
     return out
 
 
-__all__ = ["available", "paged_decode"]
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of the rows of x [T, dim] (Hugging Face's rounding), one op."""
+    mod = _module()
+    assert mod is not None, "check available() first"
+    out: Tensor = mod.rms_norm(x, weight, float(eps))
+    return out
+
+
+def add_rms_norm_(h: Tensor, delta: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """h += delta in place, then the RMSNorm of h, one op."""
+    mod = _module()
+    assert mod is not None, "check available() first"
+    out: Tensor = mod.add_rms_norm_(h, delta, weight, float(eps))
+    return out
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I], one op."""
+    mod = _module()
+    assert mod is not None, "check available() first"
+    out: Tensor = mod.silu_mul(gate_up)
+    return out
+
+
+def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """Rotate x [T, heads, D] in place (rotate-half RoPE; cos/sin [T, D] or [T, 1, D] in x's dtype)."""
+    mod = _module()
+    assert mod is not None, "check available() first"
+    mod.rope_(x, cos, sin)
+
+
+__all__ = ["add_rms_norm_", "available", "paged_decode", "rms_norm", "rope_", "silu_mul"]

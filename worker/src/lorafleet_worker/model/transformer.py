@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lorafleet_worker.config import ModelConfig
-from lorafleet_worker.model import cpu_linear
+from lorafleet_worker.model import cpu_attention, cpu_linear
 from lorafleet_worker.model.attention import paged_attention
 from lorafleet_worker.model.forward_batch import ForwardBatch, LoRAContext
 from lorafleet_worker.model.loading import Checkpoint, parse_dtype
@@ -88,7 +88,8 @@ class DecoderLayer(nn.Module):
         self, h: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, kv: PagedKVCache, attn_backend: str
     ) -> Tensor:
         lora = batch.lora
-        x = self.attn_norm(h)
+        fused = _fused_ops(h)
+        x = cpu_attention.rms_norm(h, self.attn_norm.weight, self.attn_norm.eps) if fused else self.attn_norm(h)
         qkv = self._proj(x, self.qkv_w, self.qkv_b, "qkv", lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
@@ -97,15 +98,32 @@ class DecoderLayer(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if fused:  # in place on the views of qkv
+            cpu_attention.rope_(q, cos, sin)
+            cpu_attention.rope_(k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = paged_attention(
             q, k, v, kv.k_caches[self.idx], kv.v_caches[self.idx], batch, self.scale, attn_backend, self.window
         )
-        h = h + self._proj(attn.reshape(t, self.q_size), self.o_w, self.o_b, "o", lora)
-        x = self.mlp_norm(h)
+        o = self._proj(attn.reshape(t, self.q_size), self.o_w, self.o_b, "o", lora)
+        if fused:
+            x = cpu_attention.add_rms_norm_(h, o, self.mlp_norm.weight, self.mlp_norm.eps)  # h += o
+        else:
+            h = h + o
+            x = self.mlp_norm(h)
         gate_up = self._proj(x, self.gate_up_w, self.gate_up_b, "gate_up", lora)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return h + self._proj(F.silu(gate) * up, self.down_w, self.down_b, "down", lora)
+        if fused:
+            act = cpu_attention.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return h + self._proj(act, self.down_w, self.down_b, "down", lora)
+
+
+def _fused_ops(h: Tensor) -> bool:
+    """The C++ small ops (`cpu_attention.py`) serve this step: CPU, float32 / bfloat16, and they built."""
+    return h.device.type == "cpu" and h.dtype in (torch.float32, torch.bfloat16) and cpu_attention.available()
 
 
 def _dense_state_dict(module: nn.Module, state: dict[str, Tensor], prefix: str, _meta: object) -> None:
