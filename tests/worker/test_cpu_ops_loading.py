@@ -79,3 +79,41 @@ def test_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cli_usage() -> None:
     with pytest.raises(SystemExit):
         cpu_attention.main(["build", "/tmp/x", "x86-64-v9"])
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="no C++ toolchain here to build the library")
+def test_a_prebuilt_library_builds_loads_and_agrees(tmp_path: Path) -> None:
+    """The image's path end to end: build the portable (x86-64-v3) library, load it as the worker would
+    (in a fresh process, LORAFLEET_CPU_OPS_DIR set), and compare its decode attention with the torch path."""
+    import os
+    import subprocess
+    import sys
+
+    if "x86-64-v3" not in cpu_attention.cpu_levels(cpu_attention.cpu_flags()):
+        pytest.skip("this CPU does not run x86-64-v3")
+    script = (
+        "import logging, sys, torch\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "from lorafleet_worker.model import cpu_attention as c\n"
+        "from lorafleet_worker.model.attention import _torch_decode\n"
+        "from tests.worker.test_cpu_attention import decode_batch\n"
+        "assert c.available()\n"
+        "torch.manual_seed(0)\n"
+        "kc, vc = torch.randn(6, 4, 2, 16), torch.randn(6, 4, 2, 16)\n"
+        "tables = torch.tensor([[1, 2, 3], [4, 5, 0]], dtype=torch.int32)\n"
+        "batch = decode_batch([11, 6], tables, 4, None)\n"
+        "q = torch.randn(2, 4, 16)\n"
+        "ours = c.paged_decode(q, kc, vc, tables, batch.decode_seq_lens, 0.25, None)\n"
+        "assert (ours - _torch_decode(q, kc, vc, batch, 0.25)).abs().max().item() < 1e-5\n"
+    )
+    built = subprocess.run(
+        [sys.executable, "-m", "lorafleet_worker.model.cpu_attention", "build", str(tmp_path / "lib"), "x86-64-v3"],
+        capture_output=True, text=True, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")},
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr[-2000:]
+    env = {**os.environ, "LORAFLEET_CPU_OPS_DIR": str(tmp_path / "lib"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "no")}
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "CPU C++ ops: prebuilt" in run.stderr and "x86-64-v3.so" in run.stderr
+    assert not (tmp_path / "no").exists()  # nothing was compiled at load
