@@ -416,23 +416,30 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
-def roofline_of(scenario: str, concurrency: int, machines: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """This machine's roofline at the scenario's decode shapes (measured once per model) and its floors."""
+def roofline_of(
+    scenario: str, concurrency: int, machines: dict[str, dict[str, Any]], dtype: str = "float32"
+) -> dict[str, Any]:
+    """This machine's roofline at the scenario's decode shapes (measured once per model and dtype) and its floors."""
     from lorafleet_worker.config import ModelConfig
 
     model = scenario_model(scenario)
     config = ModelConfig.from_dir(model)
-    if model.name not in machines:
-        log(f"measuring the roofline: copy bandwidth, F.linear at {model.name}'s shapes (M = {concurrency}, 512)")
-        machines[model.name] = roofline.measure_machine(config, concurrency)
+    key = f"{model.name}@{dtype}"
+    if key not in machines:
+        log(f"measuring the roofline: read bandwidth, {dtype} GEMMs at {model.name}'s shapes (M = {concurrency}, 512)")
+        machines[key] = roofline.measure_machine(config, concurrency, dtype)
     shapes = [roofline.AdapterShape.read(path) for _, path in scenario_adapters(scenario, model)]
+    floors = roofline.floors_ms(
+        config, shapes, concurrency, BREAKDOWN_CONTEXT, machines[key], roofline.dtype_bytes(dtype)
+    )
     return {
         "model": model.name,
+        "dtype": dtype,
         "concurrency": concurrency,
         "context": BREAKDOWN_CONTEXT,
-        "machine": machines[model.name],
+        "machine": machines[key],
         "adapter_weight_pct": round(100 * roofline.adapter_weight_share(config, shapes), 2),
-        "floors_ms": roofline.floors_ms(config, shapes, concurrency, BREAKDOWN_CONTEXT, machines[model.name]),
+        "floors_ms": floors,
     }
 
 
@@ -481,7 +488,7 @@ def main() -> None:
     # both systems (and every dtype) back to back: they see the same machine load
     for scenario, dtype, system in itertools.product(args.scenarios, args.dtype, args.systems):
         log(f"running {system} / {scenario} ({dtype}) at concurrency {args.concurrency}")
-        breakdown_c = args.breakdown_concurrency if dtype == "float32" else 0  # the roofline is float32's
+        breakdown_c = args.breakdown_concurrency  # every dtype: the roofline counts that dtype's bytes and peak
         cmd = [sys.executable, __file__, "--child", "--system", system, "--scenario", scenario, "--device",
                args.device, "--workload", args.workload, "--concurrency", *map(str, args.concurrency),
                "--breakdown-concurrency", str(breakdown_c), "--dtype", dtype]  # fmt: skip
@@ -493,9 +500,9 @@ def main() -> None:
         run["dtype"] = dtype
         runs[run_key(system, scenario, dtype)] = run
         if "decode_breakdown_ms" in run:
-            entry = roofline_of(scenario, args.breakdown_concurrency, machines)
+            entry = roofline_of(scenario, args.breakdown_concurrency, machines, dtype)
             entry.update(roofline.distance(run["decode_breakdown_ms"], entry["floors_ms"]))
-            rooflines[scenario] = entry
+            rooflines[run_key("lorafleet", scenario, dtype).partition("/")[2]] = entry
         models = {s: str(scenario_model(s)) for s in SCENARIOS if any(scenario_of(k) == s for k in runs)}
         model_info = {"prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "models": models}
         write_json(

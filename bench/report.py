@@ -65,9 +65,13 @@ def roofline_section(rooflines: dict[str, Any]) -> list[str]:
     if not rooflines:
         return []
     lines = ["### Roofline: lorafleet decode step vs its floor (measured in the same run)", ""]
-    for model, m in {r["model"]: r["machine"] for r in rooflines.values()}.items():
-        lines.append(f"- `{model}`: copy bandwidth {m['bandwidth_gb_s']} GB/s, best `F.linear` "
-                     f"{m['peak_gflop_s']} GFLOP/s at its decode shapes and M = 512")  # fmt: skip
+    machines = {(r["model"], r.get("dtype", "float32")): r["machine"] for r in rooflines.values()}
+    for (model, dtype), m in machines.items():
+        bandwidth = (f"read bandwidth {m['bandwidth_gb_s']} GB/s ({m['bandwidth_method']}, {m['threads']} threads; "
+                     f"copy {m['copy_gb_s']} GB/s, not used)" if "bandwidth_method" in m
+                     else f"copy bandwidth {m['bandwidth_gb_s']} GB/s")  # fmt: skip
+        lines.append(f"- `{model}` in {dtype}: {bandwidth}, best GEMM {m['peak_gflop_s']} GFLOP/s at its decode "
+                     "shapes and M = 512")  # fmt: skip
     lines += ["", "Each cell: measured ms per decode step / floor ms (max of bytes ÷ bandwidth and FLOPs ÷ peak); "
               "'rest' (norms, RoPE, activations, Python) has no floor.", ""]  # fmt: skip
     parts = ("base_gemms", "lora", "attention", "sampling", "rest")

@@ -2,9 +2,17 @@
 
 Measured in the same run as the engine benchmark (bench_engine.py):
 
-- memory bandwidth: a large tensor copy (bytes read + bytes written per second, best of a few);
-- matmul peak at the shapes used: `F.linear` at the scenario's decode shapes (M = concurrency, the
-  model's projection groups and lm_head) and at M = 512 (compute-bound); the best FLOP/s seen.
+- memory bandwidth: DRAM *read* bandwidth, what a decode step needs (weights and KV cache are read,
+  hardly written): `sum()` over a 1 GiB float32 buffer (32x the 32 MiB LLC of the benchmark machine,
+  so nothing is served from cache) on the engine's own thread count (`torch.get_num_threads()`),
+  best of 7. Earlier reports used a 512 MiB `copy_` counted as read + write bytes, which moved
+  between 10 and 41 GB/s within one run on this shared VM (a copy's write-allocate traffic, and one
+  pass per sample at the mercy of the neighbours); the copy figure is still recorded as
+  `copy_gb_s`, for reference only.
+- matmul peak at the shapes used, in the step's dtype: at the scenario's decode shapes (M =
+  concurrency, the model's projection groups and lm_head) and at M = 512 (compute-bound), the faster
+  of `F.linear` and the engine's oneDNN-prepacked linear (`model/cpu_linear.py`); the best FLOP/s
+  seen is the peak.
 
 Floors for one decode step of `c` sequences (each part: max(bytes / bandwidth, FLOPs / peak)):
 
@@ -14,8 +22,10 @@ Floors for one decode step of `c` sequences (each part: max(bytes / bandwidth, F
 - sampling: the logits read once (c x vocab floats);
 - rest (norms, RoPE, activations, Python): no floor counted (its bytes are < 1 % of the weights').
 
+Bytes count the step's dtype (4 for float32, 2 for bfloat16).
+
 `StepBreakdown` times the same parts of the engine's decode steps from outside (wrapping
-`F.linear` as the model module sees it, the LoRA backend's `apply`, the decoder layer's
+`base_linear`, through which the model module sends every base GEMM, the LoRA backend's `apply`, the decoder layer's
 `_attention` and the engine's `sample`); "rest" is the step's wall time minus those.
 """
 
@@ -31,11 +41,26 @@ from pathlib import Path
 from typing import Any
 
 PARTS = ("base_gemms", "lora", "attention", "sampling", "rest")
-FLOAT_BYTES = 4  # the benchmarks run float32
+FLOAT_BYTES = 4  # float32; `floors_ms` takes the step's dtype
 
 
-def measure_bandwidth(mib: int = 512, repeats: int = 5) -> float:
-    """Copy bandwidth in GB/s (read + write bytes), best of `repeats`."""
+def dtype_bytes(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
+def measure_bandwidth(mib: int = 1024, repeats: int = 7) -> float:
+    """DRAM read bandwidth in GB/s: `sum()` over a `mib` MiB buffer (far larger than the LLC) on the
+    engine's thread count, best of `repeats` (the least disturbed pass of a shared machine)."""
+    import torch
+
+    buf = torch.ones(mib * 2**20 // 4)
+    buf.sum()
+    best = min(_timed(buf.sum) for _ in range(repeats))
+    return round(buf.numel() * 4 / best / 1e9, 2)
+
+
+def measure_copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Copy bandwidth in GB/s (read + write bytes), best of `repeats`: recorded for reference only."""
     import torch
 
     src = torch.ones(mib * 2**20 // 4)
@@ -63,25 +88,44 @@ def gemm_shapes(config: Any) -> dict[str, tuple[int, int]]:
     }
 
 
-def measure_gemm(config: Any, tokens: Iterable[int], repeats: int = 5) -> dict[str, float]:
-    """GFLOP/s of `F.linear` per (group, M), best of `repeats`; key 'group@M'."""
+def measure_gemm(config: Any, tokens: Iterable[int], repeats: int = 5, dtype: str = "float32") -> dict[str, float]:
+    """GFLOP/s per (group, M) in `dtype`, the faster of `F.linear` and the oneDNN-prepacked linear, best of
+    `repeats`; key 'group@M'."""
     import torch
     import torch.nn.functional as F
+    from lorafleet_worker.model import cpu_linear
 
+    dt = getattr(torch, dtype)
     out = {}
     for m in tokens:
         for name, (k, n) in gemm_shapes(config).items():
-            x, w = torch.randn(m, k), torch.randn(n, k)
-            F.linear(x, w)
-            best = min(_timed(functools.partial(F.linear, x, w)) for _ in range(repeats))
+            x, w = torch.randn(m, k).to(dt), torch.randn(n, k).to(dt)
+            packed = cpu_linear.pack(w)
+            calls = [functools.partial(F.linear, x, w)]
+            if packed is not None:
+                calls.append(functools.partial(cpu_linear.linear, x, w, None, packed))
+            best = float("inf")
+            for call in calls:
+                call()
+                best = min(best, *(_timed(call) for _ in range(repeats)))
             out[f"{name}@{m}"] = round(2 * m * k * n / best / 1e9, 2)
     return out
 
 
-def measure_machine(config: Any, concurrency: int) -> dict[str, Any]:
-    """Bandwidth and matmul rates at the decode shapes of `config` (M = concurrency) and at M = 512."""
-    gemm = measure_gemm(config, sorted({concurrency, 512}))
-    return {"bandwidth_gb_s": measure_bandwidth(), "gemm_gflop_s": gemm, "peak_gflop_s": max(gemm.values())}
+def measure_machine(config: Any, concurrency: int, dtype: str = "float32") -> dict[str, Any]:
+    """Read bandwidth and matmul rates in `dtype` at the decode shapes of `config` (M = concurrency) and M = 512."""
+    import torch
+
+    gemm = measure_gemm(config, sorted({concurrency, 512}), dtype=dtype)
+    return {
+        "bandwidth_gb_s": measure_bandwidth(),
+        "bandwidth_method": "read: sum() of 1 GiB, best of 7",
+        "copy_gb_s": measure_copy_bandwidth(),
+        "threads": torch.get_num_threads(),
+        "dtype": dtype,
+        "gemm_gflop_s": gemm,
+        "peak_gflop_s": max(gemm.values()),
+    }
 
 
 # ---------------------------------------------------------------------------------------- floors
@@ -123,9 +167,15 @@ def base_params(config: Any) -> tuple[int, int]:
 
 
 def floors_ms(
-    config: Any, adapters: list[AdapterShape], concurrency: int, context: int, machine: dict[str, Any]
+    config: Any,
+    adapters: list[AdapterShape],
+    concurrency: int,
+    context: int,
+    machine: dict[str, Any],
+    elem_bytes: int = FLOAT_BYTES,
 ) -> dict[str, float]:
-    """The floor of each part of one decode step of `concurrency` sequences at mean context `context`."""
+    """The floor of each part of one decode step of `concurrency` sequences at mean context `context`,
+    weights and KV cache `elem_bytes` per value (logits float32)."""
     bw = machine["bandwidth_gb_s"] * 1e9
     peak = machine["peak_gflop_s"] * 1e9
 
@@ -138,11 +188,11 @@ def floors_ms(
     lora_tokens = concurrency / max(1, len(present))
     lora_flops = sum(2 * lora_tokens * a.params(config) for a in present)
     layers = config.num_hidden_layers
-    kv_bytes = concurrency * context * layers * 2 * config.kv_size * FLOAT_BYTES
+    kv_bytes = concurrency * context * layers * 2 * config.kv_size * elem_bytes
     attn_flops = 4 * concurrency * context * layers * config.q_size
     return {
-        "base_gemms": floor(gemm_params * FLOAT_BYTES, 2 * concurrency * gemm_params),
-        "lora": floor(lora_params * FLOAT_BYTES, lora_flops),
+        "base_gemms": floor(gemm_params * elem_bytes, 2 * concurrency * gemm_params),
+        "lora": floor(lora_params * elem_bytes, lora_flops),
         "attention": floor(kv_bytes, attn_flops),
         "sampling": floor(concurrency * config.vocab_size * FLOAT_BYTES, 0),
         "rest": 0.0,
@@ -174,7 +224,7 @@ class StepBreakdown:
         self._undo: list[Callable[[], None]] = []
         self._patch(engine, "_step", self._wrap_step(engine._step))
         self._patch(engine_mod, "sample", self._wrap("sampling", engine_mod.sample))
-        self._patch(model_mod, "F", _TimedFunctional(model_mod.F, self._wrap("base_gemms", model_mod.F.linear)))
+        self._patch(model_mod, "base_linear", self._wrap("base_gemms", model_mod.base_linear))
         attention = model_mod.paged_attention
         self._patch(model_mod, "paged_attention", self._wrap("attention", attention, watch_batch=True))
         if engine.lora_backend is not None:
@@ -227,17 +277,6 @@ class StepBreakdown:
         out = {k: round(1000 * statistics.fmean(s[k] for s in self.steps), 3) for k in (*PARTS, "step")}
         out["decode_steps"] = len(self.steps)
         return out
-
-
-class _TimedFunctional:
-    """torch.nn.functional as the model module sees it, with `linear` timed."""
-
-    def __init__(self, functional: Any, linear: Callable[..., Any]) -> None:
-        self._functional = functional
-        self.linear = linear
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._functional, name)
 
 
 def distance(measured: dict[str, float], floors: dict[str, float]) -> dict[str, Any]:

@@ -65,3 +65,38 @@ def test_only_the_sequence_blocks_are_read() -> None:
     out = cpu_attention.paged_decode(q, k_cache, v_cache, torch.tensor([[3, 0]], dtype=torch.int32),
                                      torch.tensor([2], dtype=torch.int32), 0.5, None)  # fmt: skip
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim", [12, 32])  # 12: the portable loops; 32: the AVX-512 ones where built
+@pytest.mark.parametrize("num_seqs", [1, 3, 17])  # few sequences split their KV heads over threads; many do not
+def test_head_dims_and_work_splits(head_dim: int, num_seqs: int, dtype: torch.dtype, tol: float) -> None:
+    torch.manual_seed(2)
+    heads, kv_heads, block_size, num_blocks = 8, 4, 8, 96
+    # lengths around block boundaries: 1 token, a block less one, a block, a block plus one, several blocks
+    seq_lens = [[1, 7, 8, 9, 23, 40, 41][i % 7] for i in range(num_seqs)]
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    perm = (torch.randperm(num_blocks - 1) + 1).tolist()
+    width = max(-(-n // block_size) for n in seq_lens)
+    tables = []
+    for n in seq_lens:
+        need = -(-n // block_size)
+        tables.append([perm.pop() for _ in range(need)] + [0] * (width - need))
+    block_tables = torch.tensor(tables, dtype=torch.int32)
+    q = torch.randn(num_seqs, heads, head_dim).to(dtype)
+    batch = decode_batch(seq_lens, block_tables, block_size, None)
+    ours = cpu_attention.paged_decode(q, k_cache, v_cache, block_tables, batch.decode_seq_lens, 0.3, None)
+    ref = _torch_decode(q.float(), k_cache.float(), v_cache.float(), batch, 0.3)
+    assert (ours.float() - ref).abs().max().item() < tol
+
+
+def test_large_score_range_stays_finite() -> None:
+    """The softmax's exp sees scores far below the max (underflow to 0, never NaN)."""
+    k_cache = torch.zeros(4, 4, 1, 16)
+    v_cache = torch.randn(4, 4, 1, 16)
+    k_cache[1, 0, 0] = 100.0  # one key scores far above the others
+    q = torch.ones(1, 1, 16)
+    out = cpu_attention.paged_decode(q, k_cache, v_cache, torch.tensor([[1, 2]], dtype=torch.int32),
+                                     torch.tensor([6], dtype=torch.int32), 1.0, None)  # fmt: skip
+    assert torch.allclose(out[0, 0], v_cache[1, 0, 0], atol=1e-6)

@@ -113,7 +113,7 @@ def test_engine_logs_its_choices_and_sizes_the_kv_cache_from_the_budget(
     plan = engine.memory_plan
     assert plan is not None and plan.budget == 64 << 20
     assert engine.kv.num_blocks == plan.kv_blocks and engine.kv.nbytes == plan.kv
-    assert plan.weights == sum(p.nbytes for p in engine.model.parameters())
+    assert plan.weights == engine.model.weight_nbytes()  # packed weights (CPU) included
     assert engine.manager is not None and plan.lora == engine.manager.pool.nbytes
     assert plan.weights + plan.lora + plan.activations + plan.kv <= plan.budget
     assert plan.kv_blocks == 4 * engine.max_model_len // 16  # capped at what 4 sequences can use

@@ -35,7 +35,7 @@ from lorafleet_worker.memory import (
     plan_memory,
     weight_bytes,
 )
-from lorafleet_worker.model import LoRAContext, Transformer, cpu_attention, parse_dtype
+from lorafleet_worker.model import LoRAContext, Transformer, cpu_attention, cpu_linear, parse_dtype
 from lorafleet_worker.sampling import SamplingParams, TokenOutput, make_generator, prompt_logprobs, sample
 from lorafleet_worker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan
 
@@ -212,7 +212,9 @@ class Engine:
         return plan_memory(
             budget=budget_bytes,
             budget_source=budget_source,
-            weights=weight_bytes(self.config, self.dtype),
+            weights=weight_bytes(
+                self.config, self.dtype, packed_head_copy=self.device.type == "cpu" and cpu_linear.packs(self.dtype)
+            ),
             lora=self.manager.pool.nbytes if self.manager is not None else 0,
             activations=activation_bytes(
                 self.config, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=self.dtype

@@ -122,15 +122,18 @@ def fmt_bytes(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / (1 << 20):.1f} MiB"
 
 
-def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of the base model's weights in `dtype` (from the config; biases and norms included)."""
+def weight_bytes(config: ModelConfig, dtype: torch.dtype, packed_head_copy: bool = False) -> int:
+    """Bytes of the base model's weights in `dtype` (from the config; biases and norms included).
+
+    `packed_head_copy`: a tied lm_head also has a packed copy beside the embedding (CPU, `model/cpu_linear.py`).
+    """
     h, inter, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
     if config.attention_bias:
         per_layer += q + 2 * kv
     if config.qk_norm:
         per_layer += 2 * config.head_dim
-    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings and not packed_head_copy else 2)
     params = config.num_hidden_layers * per_layer + embeddings + h
     return params * dtype.itemsize
 

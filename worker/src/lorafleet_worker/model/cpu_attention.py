@@ -1,25 +1,36 @@
-"""Paged decode attention for CPU: one C++ loop that reads each sequence's K/V blocks in place.
+"""CPU kernels in C++: paged decode attention that reads each sequence's K/V blocks in place, and the
+small ops of a decoder layer (RMSNorm, residual add + RMSNorm, SiLU x up, RoPE in place).
 
 The torch decode path (`attention._torch_decode`) gathers every sequence's blocks into a padded
-[B, max_blocks * block_size, KVH, D] copy on every layer of every decode step and then runs masked SDPA:
-at concurrency 32 the copy alone was a quarter of decode attention. This kernel walks the block table
-instead: for each sequence it reads each token's key row (all KV heads, contiguous in the block) once,
-scores every query head against its KV head's slice (GQA without copying K/V), takes the softmax and
-accumulates the value rows the same way, so a sequence's blocks are read front to back. Work is split
-over sequences with ATen's thread pool; float32 and bfloat16 caches (bf16 rows are widened to float32,
-the sums are float32).
+[B, max_blocks * block_size, KVH, D] copy on every layer of every decode step and then runs masked SDPA.
+This kernel walks the block table instead. A work item is a sequence (or, with fewer sequences than
+4 x threads, a range of its KV heads): it scores the query heads of its KV heads against each token's
+key slice (GQA without copying K/V; AVX-512 dot products where the compiler targets it, bf16 widened
+to float32 in registers), takes the softmax (a branch-free vectorised exp) and accumulates the value
+rows the same way, reading the sequence's blocks front to back and prefetching the next block. Items
+run on ATen's OpenMP thread pool (the extension is compiled with -fopenmp: without it ATen's
+`parallel_for` runs serially, which is what the first versions did).
 
-It is compiled at first use with `torch.utils.cpp_extension.load_inline` (g++ and ninja, about a
-minute once; the build is cached under `$TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`).
-Where it cannot be built, `available()` is False, the reason is logged once, and the engine keeps the
-torch path. `LORAFLEET_CPU_ATTENTION=torch` turns it off.
+Where the library comes from, first match wins:
+1. `LORAFLEET_CPU_ATTENTION=torch`: nothing; the torch path (decode attention and small ops).
+2. A prebuilt library in `$LORAFLEET_CPU_OPS_DIR` (the worker image builds them in its build stage:
+   `python -m lorafleet_worker.model.cpu_attention build DIR x86-64-v4`, and `x86-64-v3`): the best
+   level this CPU runs (`prebuilt_path`). One that fails to import (another torch) is skipped.
+3. Compiled at first use with `torch.utils.cpp_extension.load_inline` (g++ and ninja, -march=native,
+   about 30 s once; cached under `$TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`).
+4. Neither: `available()` is False, the reason is logged once, and the engine keeps the torch path.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
@@ -31,21 +42,86 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// Widen one element to float: float as is, bfloat16 by a 16-bit shift (vectorizes under `omp simd`).
+static inline float widen(float x) { return x; }
+static inline float widen(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// exp(x) for x <= 0 (scores minus their max): Cody-Waite range reduction and Cephes' expf polynomial,
+// about 1 ulp, branch-free so that the softmax loop vectorizes (std::exp does not without -ffast-math).
+static inline float exp_nonpos(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return y * scale;
+}
+
+// q . k over D values (q already float), and acc += p * v: AVX-512 where the compiler targets it and
+// D is a multiple of 16 (head dims 64, 128, ...), portable loops otherwise.
+#if defined(__AVX512F__)
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#endif
 
 template <typename T>
-static inline const float* as_float(const T* src, float* buf, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
-  return buf;
+static inline float dot(const float* q, const T* k, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), a);
+    return _mm512_reduce_add_ps(a);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t d = 0; d < D; ++d) s += q[d] * widen(k[d]);
+  return s;
 }
 
-template <>
-inline const float* as_float<float>(const float* src, float*, int64_t) {
-  return src;
+template <typename T>
+static inline void axpy(float p, const T* v, float* acc, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    const __m512 pp = _mm512_set1_ps(p);
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pp, load16(v + d), _mm512_loadu_ps(acc + d)));
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) acc[d] += p * widen(v[d]);
 }
 
-// One work item per sequence: each token's K (then V) row of all KV heads is contiguous in its block
-// ([block, offset, KVH, D]), so a sequence's blocks are read front to back, each byte once.
+// One work item per (sequence, range of KV heads): the query heads of those KV heads score every
+// token's key slice (D contiguous values per KV head in the token's [KVH, D] row of its block), then
+// the softmax, then the weighted sum of the value rows. With enough sequences an item takes all KV
+// heads, so it reads its sequence's blocks front to back as whole rows (the prefetcher's best case;
+// the next block, anywhere in the pool, is prefetched a row at a time while the current one is read);
+// with few sequences the KV heads are split so every thread has work. Items are spread over ATen's
+// (OpenMP) thread pool.
 template <typename T>
 static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
                         const at::Tensor& lens, at::Tensor& out, double scale, int64_t window) {
@@ -58,60 +134,198 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(H * D), acc(H * D), row(row_len), scores, denom(H);
-    for (int64_t b = begin; b < end; ++b) {
+  const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t splits = B >= want ? 1 : std::min<int64_t>(KVH, (want + B - 1) / B);
+  const int64_t per_split = (KVH + splits - 1) / splits;
+  const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(T));
+  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), acc(H * D), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / splits, kv0 = (item % splits) * per_split;
+      const int64_t kv1 = std::min(KVH, kv0 + per_split);
+      if (kv0 >= kv1) continue;
+      const int64_t h0 = kv0 * G, nh = (kv1 - kv0) * G;  // query heads [h0, h0 + nh)
       const int64_t len = lp[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
-      scores.resize(H * n);
-      const T* qb = qp + b * H * D;
-      for (int64_t j = 0; j < H * D; ++j) qf[j] = static_cast<float>(qb[j]) * fscale;
+      T* ob = op + (b * H + h0) * D;
+      if (n <= 0) {
+        for (int64_t j = 0; j < nh * D; ++j) ob[j] = static_cast<T>(0.f);
+        continue;
+      }
+      scores.resize(nh * n);
+      const T* qb = qp + (b * H + h0) * D;
+      for (int64_t j = 0; j < nh * D; ++j) qf[j] = widen(qb[j]) * fscale;
       const int32_t* table = btp + b * maxb;
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        const T* kr = kp + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_len;
-        const float* rf = as_float<T>(kr, row.data(), row_len);
-        for (int64_t hh = 0; hh < H; ++hh) {  // query head hh reads KV head hh / G
-          const float* qh = qf.data() + hh * D;
-          const float* kh = rf + (hh / G) * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
-          scores[hh * n + t] = s;
+      for (int pass = 0; pass < 2; ++pass) {  // 0: scores over K, 1: weighted sum over V
+        const T* base = pass == 0 ? kp : vp;
+        if (pass == 1) std::fill(acc.begin(), acc.begin() + nh * D, 0.f);
+        for (int64_t t = 0; t < n;) {
+          const int64_t pos = first + t;
+          const int64_t blk = table[pos / bs], off = pos % bs;
+          const int64_t run = std::min(bs - off, n - t);
+          const T* row = base + (blk * bs + off) * row_len + kv0 * D;
+          const int64_t tn = t + run;  // the next block, prefetched a row per row read
+          const char* next = nullptr;
+          if (tn < n) next = reinterpret_cast<const char*>(base + int64_t{table[(first + tn) / bs]} * bs * row_len);
+          for (int64_t i = 0; i < run; ++i, row += row_len) {
+            if (next != nullptr) {
+              for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(next + i * row_bytes + c);
+            }
+            for (int64_t hh = 0; hh < nh; ++hh) {
+              const T* r = row + (hh / G) * D;
+              if (pass == 0) {
+                scores[hh * n + t + i] = dot(qf.data() + hh * D, r, D);
+              } else {
+                axpy(scores[hh * n + t + i], r, acc.data() + hh * D, D);
+              }
+            }
+          }
+          t = tn;
         }
-      }
-      for (int64_t hh = 0; hh < H; ++hh) {
-        float* sh = scores.data() + hh * n;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, sh[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          sh[t] = std::exp(sh[t] - m);
-          sum += sh[t];
-        }
-        denom[hh] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        const T* vr = vp + (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row_len;
-        const float* rf = as_float<T>(vr, row.data(), row_len);
-        for (int64_t hh = 0; hh < H; ++hh) {
-          const float p = scores[hh * n + t];
-          const float* vh = rf + (hh / G) * D;
-          float* ah = acc.data() + hh * D;
+        if (pass == 1) break;
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          float* sh = scores.data() + hh * n;
+          float m = sh[0];
+          for (int64_t t = 1; t < n; ++t) m = std::max(m, sh[t]);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < n; ++t) {
+            const float e = exp_nonpos(sh[t] - m);
+            sh[t] = e;
+            sum += e;
+          }
+          const float inv = 1.f / sum;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ah[d] += p * vh[d];
+          for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
         }
       }
-      T* ob = op + b * H * D;
-      for (int64_t hh = 0; hh < H; ++hh) {
-        const float inv = 1.f / denom[hh];
-        for (int64_t d = 0; d < D; ++d) ob[hh * D + d] = static_cast<T>(acc[hh * D + d] * inv);
+      for (int64_t j = 0; j < nh * D; ++j) ob[j] = static_cast<T>(acc[j]);
+    }
+  });
+}
+
+// ---- small fused ops of a decoder layer (the same rounding as the torch ops they replace) ----
+
+template <typename T>
+static inline T narrow_to(float x) { return static_cast<T>(x); }
+
+// out = w * T(x * rsqrt(mean(x^2) + eps)), x read as float (Hugging Face's LlamaRMSNorm); with `delta`,
+// h += delta first (rounded to T) and the sum is what is normalised.
+template <typename T>
+static void rms_norm_impl(at::Tensor& h, const at::Tensor* delta, const at::Tensor& w, at::Tensor& out, double eps) {
+  const int64_t rows = h.size(0), dim = h.size(1);
+  T* hp = h.data_ptr<T>();
+  const T* dp = delta != nullptr ? delta->data_ptr<T>() : nullptr;
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t hs = h.stride(0), ds = delta != nullptr ? delta->stride(0) : 0;
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* x = hp + r * hs;
+      if (dp != nullptr) {
+        const T* d = dp + r * ds;
+        for (int64_t i = 0; i < dim; ++i) x[i] = narrow_to<T>(widen(x[i]) + widen(d[i]));
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < dim; ++i) ss += widen(x[i]) * widen(x[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + static_cast<float>(eps));
+      T* o = op + r * dim;
+      for (int64_t i = 0; i < dim; ++i) o[i] = narrow_to<T>(widen(wp[i]) * widen(narrow_to<T>(widen(x[i]) * inv)));
+    }
+  });
+}
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.size(0) == x.size(1), "rms_norm shapes");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm dtypes");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kFloat) rms_norm_impl<float>(x, nullptr, w, out, eps);
+  else if (x.scalar_type() == at::kBFloat16) rms_norm_impl<at::BFloat16>(x, nullptr, w, out, eps);
+  else TORCH_CHECK(false, "float32 or bfloat16 only");
+  return out;
+}
+
+// h += delta in place, then returns rms_norm(h).
+at::Tensor add_rms_norm_(at::Tensor h, at::Tensor delta, at::Tensor w, double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.stride(1) == 1 && delta.sizes() == h.sizes() && delta.stride(1) == 1, "shapes");
+  TORCH_CHECK(w.is_contiguous() && w.size(0) == h.size(1), "rms_norm weight");
+  TORCH_CHECK(h.scalar_type() == w.scalar_type() && h.scalar_type() == delta.scalar_type(), "dtypes");
+  auto out = at::empty({h.size(0), h.size(1)}, h.options());
+  if (h.scalar_type() == at::kFloat) rms_norm_impl<float>(h, &delta, w, out, eps);
+  else if (h.scalar_type() == at::kBFloat16) rms_norm_impl<at::BFloat16>(h, &delta, w, out, eps);
+  else TORCH_CHECK(false, "float32 or bfloat16 only");
+  return out;
+}
+
+// gate_up [T, 2I] (gate | up) -> T(silu(gate)) * up, each op rounded to T as F.silu(gate) * up does.
+template <typename T>
+static void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2, rs = gu.stride(0);
+  const T* gp = gu.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gp + r * rs;
+      const T* u = g + inter;
+      T* o = op + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = widen(g[i]);
+        const float e = exp_nonpos(-std::fabs(x));  // silu(x) = x * sigmoid(x), sigmoid from exp(-|x|)
+        const float sig = (x >= 0.f ? 1.f : e) / (1.f + e);
+        const float s = widen(narrow_to<T>(x * sig));
+        o[i] = narrow_to<T>(s * widen(u[i]));
       }
     }
   });
+}
+
+at::Tensor silu_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0, "silu_mul shapes");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) silu_mul_impl<float>(gate_up, out);
+  else if (gate_up.scalar_type() == at::kBFloat16) silu_mul_impl<at::BFloat16>(gate_up, out);
+  else TORCH_CHECK(false, "float32 or bfloat16 only");
+  return out;
+}
+
+// In place on x [T, heads, D] (any row/head strides, unit stride in D): rotate-half RoPE with tables
+// cos/sin [T, D] (already scaled and in x's dtype): x*cos + rotate_half(x)*sin, rounded like the torch ops.
+template <typename T>
+static void rope_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t rows = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(D);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cp + r * D;
+      const T* s = sp + r * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = xp + r * s0 + h * s1;
+        for (int64_t i = 0; i < D; ++i) {
+          const float rot = i < half ? -widen(v[i + half]) : widen(v[i - half]);
+          const float a = widen(narrow_to<T>(widen(v[i]) * widen(c[i])));
+          const float b = widen(narrow_to<T>(rot * widen(s[i])));
+          tmp[i] = widen(narrow_to<T>(a + b));
+        }
+        for (int64_t i = 0; i < D; ++i) v[i] = narrow_to<T>(tmp[i]);
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rope shapes");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2), "rope tables");
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && x.scalar_type() == sin.scalar_type(), "rope dtypes");
+  if (x.scalar_type() == at::kFloat) rope_impl<float>(x, cos, sin);
+  else if (x.scalar_type() == at::kBFloat16) rope_impl<at::BFloat16>(x, cos, sin);
+  else TORCH_CHECK(false, "float32 or bfloat16 only");
 }
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
@@ -120,6 +334,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "head shapes");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0), "one table and length per query");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
@@ -137,24 +352,103 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
 """
 
 
+EXT_NAME = "lorafleet_cpu_ops_v6"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+FUNCTIONS = ["paged_decode", "rms_norm", "add_rms_norm_", "silu_mul", "rope_"]
+LEVELS = ("x86-64-v4", "x86-64-v3")  # prebuilt variants, best first (v4: AVX-512; v3: AVX2 + FMA)
+_LEVEL_FLAGS = {
+    "x86-64-v3": {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"},
+    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+}
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo); empty where they cannot be read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def cpu_levels(flags: set[str]) -> list[str]:
+    """The prebuilt levels this CPU can run, best first."""
+    v3 = _LEVEL_FLAGS["x86-64-v3"] <= flags
+    v4 = v3 and _LEVEL_FLAGS["x86-64-v4"] <= flags
+    return [level for level, ok in zip(LEVELS, (v4, v3), strict=True) if ok]
+
+
+def prebuilt_path(directory: str | os.PathLike[str] | None, flags: set[str]) -> Path | None:
+    """The prebuilt library in `directory` for the best level these CPU flags run, or None."""
+    if not directory:
+        return None
+    for level in cpu_levels(flags):
+        path = Path(directory) / f"{EXT_NAME}-{level}.so"
+        if path.is_file():
+            return path
+    return None
+
+
+def _import_prebuilt(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(EXT_NAME, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _jit(cflags: list[str], build_directory: str | None = None) -> Any:
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(
+        name=EXT_NAME,
+        cpp_sources=[_SOURCE],
+        functions=FUNCTIONS,
+        extra_cflags=["-O3", *cflags, "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=build_directory,
+        verbose=False,
+    )
+
+
 @functools.cache
 def _module() -> Any | None:
-    if os.environ.get("LORAFLEET_CPU_ATTENTION", "").lower() == "torch":
-        log.info("CPU paged decode attention: the torch path (LORAFLEET_CPU_ATTENTION=torch)")
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
+    return load_module(os.environ, cpu_flags())
 
-        return load_inline(
-            name="lorafleet_cpu_attention_v2",
-            cpp_sources=[_SOURCE],
-            functions=["paged_decode"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path still works
-        log.warning("CPU paged decode attention not built (%s); decode attention gathers K/V with torch", exc)
+
+def load_module(env: Any, flags: set[str]) -> Any | None:
+    """The C++ ops: off, prebuilt, JIT-compiled, or None (the torch path); see the module docstring."""
+    if env.get("LORAFLEET_CPU_ATTENTION", "").lower() == "torch":
+        log.info("CPU C++ ops off: the torch path (LORAFLEET_CPU_ATTENTION=torch)")
         return None
+    path = prebuilt_path(env.get("LORAFLEET_CPU_OPS_DIR"), flags)
+    if path is not None:
+        try:
+            mod = _import_prebuilt(path)
+            log.info("CPU C++ ops: prebuilt %s", path)
+            return mod
+        except Exception as exc:  # built against another torch, or unreadable: try the JIT build
+            log.warning("prebuilt CPU ops %s not loaded (%s); compiling them", path, exc)
+    try:
+        return _jit(["-march=native"])
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path still works
+        log.warning("CPU C++ ops not built (%s); decode attention and small ops use torch", exc)
+        return None
+
+
+def build_prebuilt(directory: str | os.PathLike[str], level: str) -> Path:
+    """Compile the ops for `level` (one of LEVELS) into `directory` as `EXT_NAME-level.so`."""
+    assert level in LEVELS, level
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        _jit([f"-march={level}"], build_directory=tmp)
+        target = out / f"{EXT_NAME}-{level}.so"
+        shutil.copy(Path(tmp) / f"{EXT_NAME}.so", target)
+    return target
 
 
 def available() -> bool:
@@ -178,4 +472,58 @@ def paged_decode(
     return out
 
 
-__all__ = ["available", "paged_decode"]
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of the rows of x [T, dim] (Hugging Face's rounding), one op."""
+    mod = _module()
+    assert mod is not None, "check available() first"
+    out: Tensor = mod.rms_norm(x, weight, float(eps))
+    return out
+
+
+def add_rms_norm_(h: Tensor, delta: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """h += delta in place, then the RMSNorm of h, one op."""
+    mod = _module()
+    assert mod is not None, "check available() first"
+    out: Tensor = mod.add_rms_norm_(h, delta, weight, float(eps))
+    return out
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """gate_up [T, 2I] (gate then up) -> silu(gate) * up [T, I], one op."""
+    mod = _module()
+    assert mod is not None, "check available() first"
+    out: Tensor = mod.silu_mul(gate_up)
+    return out
+
+
+def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """Rotate x [T, heads, D] in place (rotate-half RoPE; cos/sin [T, D] or [T, 1, D] in x's dtype)."""
+    mod = _module()
+    assert mod is not None, "check available() first"
+    mod.rope_(x, cos, sin)
+
+
+def main(argv: list[str]) -> None:
+    """`python -m lorafleet_worker.model.cpu_attention build DIR LEVEL`: one prebuilt library (image build)."""
+    if len(argv) != 3 or argv[0] != "build" or argv[2] not in LEVELS:
+        raise SystemExit(f"usage: python -m {__name__} build DIR {{{','.join(LEVELS)}}}")
+    print(build_prebuilt(argv[1], argv[2]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+
+
+__all__ = [
+    "add_rms_norm_",
+    "available",
+    "build_prebuilt",
+    "cpu_flags",
+    "cpu_levels",
+    "load_module",
+    "paged_decode",
+    "prebuilt_path",
+    "rms_norm",
+    "rope_",
+    "silu_mul",
+]

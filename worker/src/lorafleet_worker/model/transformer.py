@@ -17,10 +17,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lorafleet_worker.config import ModelConfig
+from lorafleet_worker.model import cpu_attention, cpu_linear
 from lorafleet_worker.model.attention import paged_attention
 from lorafleet_worker.model.forward_batch import ForwardBatch, LoRAContext
 from lorafleet_worker.model.loading import Checkpoint, parse_dtype
 from lorafleet_worker.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+base_linear = cpu_linear.linear  # every base-model GEMM goes through here (the benchmarks' hooks wrap it)
+GROUPS = ("qkv", "o", "gate_up", "down")
 
 if TYPE_CHECKING:
     from lorafleet_worker.kv_cache import PagedKVCache
@@ -72,9 +76,10 @@ class DecoderLayer(nn.Module):
         self.down_w, self.down_b = _linear_params(config.hidden_size, config.intermediate_size, bias.mlp)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.packed: dict[str, Tensor] = {}  # group -> oneDNN-packed weight (CPU, `Transformer.pack_weights`)
 
     def _proj(self, x: Tensor, w: Tensor, b: Tensor | None, group: str, lora: LoRAContext | None) -> Tensor:
-        out = F.linear(x, w, b)
+        out = base_linear(x, w, b, self.packed.get(group))
         if lora is not None:
             lora.apply(self.idx, group, x, out)
         return out
@@ -83,7 +88,8 @@ class DecoderLayer(nn.Module):
         self, h: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, kv: PagedKVCache, attn_backend: str
     ) -> Tensor:
         lora = batch.lora
-        x = self.attn_norm(h)
+        fused = _fused_ops(h)
+        x = cpu_attention.rms_norm(h, self.attn_norm.weight, self.attn_norm.eps) if fused else self.attn_norm(h)
         qkv = self._proj(x, self.qkv_w, self.qkv_b, "qkv", lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
@@ -92,15 +98,39 @@ class DecoderLayer(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if fused:  # in place on the views of qkv
+            cpu_attention.rope_(q, cos, sin)
+            cpu_attention.rope_(k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = paged_attention(
             q, k, v, kv.k_caches[self.idx], kv.v_caches[self.idx], batch, self.scale, attn_backend, self.window
         )
-        h = h + self._proj(attn.reshape(t, self.q_size), self.o_w, self.o_b, "o", lora)
-        x = self.mlp_norm(h)
+        o = self._proj(attn.reshape(t, self.q_size), self.o_w, self.o_b, "o", lora)
+        if fused:
+            x = cpu_attention.add_rms_norm_(h, o, self.mlp_norm.weight, self.mlp_norm.eps)  # h += o
+        else:
+            h = h + o
+            x = self.mlp_norm(h)
         gate_up = self._proj(x, self.gate_up_w, self.gate_up_b, "gate_up", lora)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return h + self._proj(F.silu(gate) * up, self.down_w, self.down_b, "down", lora)
+        if fused:
+            act = cpu_attention.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return h + self._proj(act, self.down_w, self.down_b, "down", lora)
+
+
+def _fused_ops(h: Tensor) -> bool:
+    """The C++ small ops (`cpu_attention.py`) serve this step: CPU, float32 / bfloat16, and they built."""
+    return h.device.type == "cpu" and h.dtype in (torch.float32, torch.bfloat16) and cpu_attention.available()
+
+
+def _dense_state_dict(module: nn.Module, state: dict[str, Tensor], prefix: str, _meta: object) -> None:
+    """state_dict() of a packed model gives the dense weights back (read out of the packed ones)."""
+    assert isinstance(module, Transformer)
+    for name, packed in module.packed_weights().items():
+        state[prefix + name] = packed.to_dense()
 
 
 class Transformer(nn.Module):
@@ -118,9 +148,11 @@ class Transformer(nn.Module):
         self.lm_head: nn.Parameter | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.packed_head: Tensor | None = None  # lm_head packed for oneDNN (`pack_weights`)
         self.inv_freq: Tensor
         inv_freq, self.rope_scale = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._register_state_dict_hook(_dense_state_dict)
 
     @property
     def device(self) -> torch.device:
@@ -139,7 +171,51 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, batch, kv, self.attn_backend)
         h = self.norm(h[batch.logits_indices])
         head = self.lm_head if self.lm_head is not None else self.embed
-        return F.linear(h, head).float()
+        return base_linear(h, head, None, self.packed_head).float()
+
+    def pack_weights(self) -> int:
+        """On CPU, reorder every projection's weight (and lm_head) once for oneDNN (`cpu_linear.py`).
+
+        The dense copy of a packed projection is released (its parameter keeps dtype, not data); a tied
+        lm_head is packed as a copy beside the embedding, which lookups still read. Returns the number of
+        weights packed (0 where oneDNN cannot serve this model: it keeps `F.linear`).
+        """
+        packed = 0
+        for layer in self._decoder_layers():
+            for group in GROUPS:
+                w: nn.Parameter = getattr(layer, f"{group}_w")
+                p = cpu_linear.pack(w)
+                if p is None:
+                    return packed
+                layer.packed[group] = p
+                w.data = w.data.new_empty(0)
+                packed += 1
+        head = self.lm_head if self.lm_head is not None else self.embed
+        self.packed_head = cpu_linear.pack(head)
+        if self.packed_head is not None:
+            packed += 1
+            if self.lm_head is not None:
+                self.lm_head.data = self.lm_head.data.new_empty(0)
+        return packed
+
+    def _decoder_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+
+    def weight_nbytes(self) -> int:
+        """Bytes the weights hold: parameters, plus every packed weight (a tied lm_head's packed copy too)."""
+        dense = sum(p.nbytes for p in self.parameters())
+        packed = [p for layer in self._decoder_layers() for p in layer.packed.values()]
+        if self.packed_head is not None:
+            packed.append(self.packed_head)
+        return dense + sum(p.numel() * p.element_size() for p in packed)
+
+    def packed_weights(self) -> dict[str, Tensor]:
+        """Parameter name -> its oneDNN-packed weight, for every weight `pack_weights` released."""
+        layers = self._decoder_layers()
+        out = {f"layers.{i}.{g}_w": p for i, layer in enumerate(layers) for g, p in layer.packed.items()}
+        if self.packed_head is not None and self.lm_head is not None:
+            out["lm_head"] = self.packed_head
+        return out
 
     @classmethod
     def from_pretrained(
@@ -165,4 +241,6 @@ class Transformer(nn.Module):
             model.to(dtype=dt).to_empty(device=dev)
             model.inv_freq = rope_inv_freq(config)[0].to(dev)  # stays float32
             ckpt.load_into(model)
+        if dev.type == "cpu":
+            model.pack_weights()
         return model.eval()

@@ -1,0 +1,87 @@
+"""The C++ small ops of a decoder layer (`model/cpu_attention.py`) against the torch code they replace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lorafleet_worker.model import Transformer, cpu_attention
+from lorafleet_worker.model import transformer as transformer_mod
+from lorafleet_worker.model.rope import apply_rope, rope_cos_sin
+from lorafleet_worker.model.transformer import RMSNorm
+
+from tests.worker.test_model import our_logprobs
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the C++ CPU ops do not build")
+
+DTYPES = [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)]
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and (a.float() - b.float()).abs().max().item() <= tol * max(1.0, b.float().abs().max().item())
+    )
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+@pytest.mark.parametrize(("rows", "dim"), [(1, 8), (5, 37), (33, 768)])
+def test_rms_norm_and_add(dtype: torch.dtype, tol: float, rows: int, dim: int) -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(dim, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(dim).to(dtype)
+    h, delta = torch.randn(rows, dim).to(dtype), torch.randn(rows, dim).to(dtype)
+    assert close(cpu_attention.rms_norm(h, norm.weight, norm.eps), norm(h), tol)
+    ref_h = h + delta
+    ref = norm(ref_h)
+    got = cpu_attention.add_rms_norm_(h, delta, norm.weight, norm.eps)
+    assert torch.equal(h, ref_h)  # the residual add is in place and rounds like torch's
+    assert close(got, ref, tol)
+    strided = torch.randn(rows, 2 * dim).to(dtype)[:, :dim]  # rows of a wider buffer
+    assert close(cpu_attention.rms_norm(strided, norm.weight, norm.eps), norm(strided), tol)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+@pytest.mark.parametrize(("rows", "inter"), [(1, 3), (7, 17), (32, 2304)])
+def test_silu_mul(dtype: torch.dtype, tol: float, rows: int, inter: int) -> None:
+    torch.manual_seed(1)
+    gate_up = (torch.randn(rows, 2 * inter) * 6).to(dtype)  # far into both tails of the sigmoid
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert close(cpu_attention.silu_mul(gate_up), F.silu(gate) * up, tol)
+    assert torch.isfinite(cpu_attention.silu_mul(torch.tensor([[-200.0, 200.0, 1.0, 1.0]]).to(dtype))).all()
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+@pytest.mark.parametrize(("heads", "head_dim"), [(1, 2), (3, 10), (12, 64)])
+def test_rope_in_place_on_qkv_views(dtype: torch.dtype, tol: float, heads: int, head_dim: int) -> None:
+    torch.manual_seed(2)
+    rows, kv_heads = 9, 1
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = rope_cos_sin(torch.arange(rows) * 7 + 3, inv_freq, 1.0, dtype)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.reshape(rows, heads, head_dim), k.reshape(rows, kv_heads, head_dim)
+    ref_q, ref_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    before_v = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    cpu_attention.rope_(q, cos, sin)
+    cpu_attention.rope_(k, cos, sin)
+    assert close(q, ref_q, tol) and close(k, ref_k, tol)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], before_v)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_with_and_without_the_fused_ops(
+    tiny_models: Any, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """The whole forward pass agrees with the torch small ops (the fallback where the extension is absent)."""
+    model = Transformer.from_pretrained(Path(tiny_models["llama"]), dtype=dtype, attn_backend="cpu")
+    prompt = [5, 17, 42, 99, 3, 250, 7, 8, 311, 64, 12, 1, 77, 140, 33, 21, 9]
+    fused = our_logprobs(model, prompt)
+    monkeypatch.setattr(transformer_mod, "_fused_ops", lambda h: False)
+    plain = our_logprobs(model, prompt)
+    tol = 1e-4 if dtype == torch.float32 else 0.15
+    assert (fused - plain).abs().max().item() < tol
