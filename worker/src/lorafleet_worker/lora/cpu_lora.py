@@ -16,7 +16,8 @@ place through the step's row list (no gather, no scatter), float32 and bfloat16 
 
 Built at first use with `torch.utils.cpp_extension.load_inline` (g++ and ninja; cached under
 `$TORCH_EXTENSIONS_DIR`). Where it cannot be built `available()` is False, the reason is logged once, and
-the backend uses its torch grouped path. `LORAFLEET_CPU_LORA=torch` turns it off.
+the backend runs per-adapter torch matmuls. `LORAFLEET_CPU_LORA=torch` turns it off (read when a backend
+is created).
 """
 
 from __future__ import annotations
@@ -214,11 +215,15 @@ void lora_small(at::Tensor x, at::Tensor out, at::Tensor A, at::Tensor B, at::Te
 """
 
 
-@functools.cache
 def _module() -> Any | None:
+    """The built kernel, or None where `LORAFLEET_CPU_LORA=torch` (read on every call: tests flip it)."""
     if os.environ.get(ENV, "").lower() == "torch":
-        log.info("CPU LoRA: the torch grouped path (%s=torch)", ENV)
         return None
+    return _build()
+
+
+@functools.cache
+def _build() -> Any | None:
     try:
         from torch.utils.cpp_extension import load_inline
 
@@ -230,7 +235,7 @@ def _module() -> Any | None:
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path still works
-        log.warning("CPU LoRA kernel not built (%s); LoRA runs the torch grouped path", exc)
+        log.warning("CPU LoRA kernel not built (%s); LoRA runs per-adapter torch matmuls", exc)
         return None
 
 
