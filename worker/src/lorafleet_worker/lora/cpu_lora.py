@@ -228,10 +228,13 @@ def _build() -> Any | None:
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name="lorafleet_cpu_lora_v1",
+            name="lorafleet_cpu_lora_v2",
             cpp_sources=[_SOURCE],
             functions=["lora_small"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            # -fopenmp: without it ATen's headers compile at::parallel_for as a plain serial loop. The
+            # libgomp it links is torch's own at run time (same soname, already loaded by libtorch_cpu).
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path still works
