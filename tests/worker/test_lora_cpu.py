@@ -47,7 +47,7 @@ def pool_and_adapters() -> tuple[LoRAPool, dict[int, LoRAAdapter]]:
     adapters = {slot: random_adapter(ranks, seed=slot) for slot, ranks in RANKS.items()}
     # per-module scalings (alpha patterns, rsLoRA's alpha/sqrt(r)): a different one for every module
     for slot, adapter in adapters.items():
-        for (layer, group), mods in adapter.modules.items():
+        for (layer, _group), mods in adapter.modules.items():
             for s, m in enumerate(mods):
                 if m is not None:
                     mods[s] = type(m)(A=m.A, B=m.B, scaling=0.25 + 0.1 * slot + 0.05 * s + 0.01 * layer)
