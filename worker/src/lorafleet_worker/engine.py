@@ -162,6 +162,7 @@ class Engine:
                 max_adapters=max_adapters,
                 device=self.device,
                 dtype=self.dtype,
+                rank_major_b=backend_name == "torch" and self.device.type == "cpu",  # Triton reads out-major B
             )
             self.lora_backend = get_backend(backend_name, self.device)
             self.manager.on_weights_ready = self._wake

@@ -12,10 +12,10 @@ from .backend import LoRAProjWeights
 class LoRAPool:
     """`num_slots` GPU slots; slot i of every (layer, group) buffer holds one adapter's weights.
 
-    B is `[num_slots, out_total, max_rank]` on every device; on CPU it is a transposed view of a
-    `[num_slots, max_rank, out_total]` buffer (rank-major): the CPU kernel (`cpu_lora`) then expands
-    with contiguous rows of B, and the torch path's `B[slot, cols, :r].t()` is a contiguous matrix.
-    The Triton kernels read the out-major layout (rank stride 1) that CUDA pools keep."""
+    B is `[num_slots, out_total, max_rank]` in every layout. Rank-major (the default on CPU) makes it a
+    transposed view of a `[num_slots, max_rank, out_total]` buffer: the CPU kernel (`cpu_lora`) then
+    expands with contiguous rows of B, and the torch path's `B[slot, cols, :r].t()` is a contiguous
+    matrix. The Triton kernels read the out-major layout (rank stride 1): the engine asks for it."""
 
     def __init__(
         self,
@@ -25,7 +25,10 @@ class LoRAPool:
         max_rank: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        rank_major_b: bool | None = None,
     ) -> None:
+        """`rank_major_b`: store B rank-major (for the torch backend's CPU kernel; the Triton kernels need the
+        out-major layout); None = rank-major on CPU."""
         if num_slots < 1 or max_rank < 1:
             raise ValueError("a LoRA pool needs at least one slot and max_rank >= 1")
         self.config = config
@@ -33,12 +36,13 @@ class LoRAPool:
         self.max_rank = max_rank
         self.device = torch.device(device)
         self.dtype = dtype
+        self.rank_major_b = self.device.type == "cpu" if rank_major_b is None else rank_major_b
         self._weights: dict[tuple[int, str], LoRAProjWeights] = {}
         for layer in range(config.num_hidden_layers):
             for group, shape in group_shapes(config).items():
                 n, out_total = len(shape.slice_widths), shape.slice_offsets[-1]
-                if self.device.type == "cpu":  # rank-major B (see the class doc)
-                    b = torch.zeros(num_slots, max_rank, out_total, dtype=dtype).transpose(1, 2)
+                if self.rank_major_b:  # see the class doc
+                    b = torch.zeros(num_slots, max_rank, out_total, device=self.device, dtype=dtype).transpose(1, 2)
                 else:
                     b = torch.zeros(num_slots, out_total, max_rank, device=self.device, dtype=dtype)
                 self._weights[(layer, group)] = LoRAProjWeights(
