@@ -359,6 +359,11 @@ class Engine:
     # ------------------------------------------------------------------ step loop (engine thread)
 
     def _run(self) -> None:
+        if self.device.type == "cpu":
+            # Flush denormals to zero (FTZ/DAZ) in this thread and in the OpenMP workers it starts (they inherit
+            # its MXCSR): adapters that push activations to tiny values made the real model's decode steps up to
+            # 1.4x slower on denormal arithmetic (bench/README.md, the CPU LoRA path).
+            torch.set_flush_denormal(True)
         sched = self.scheduler
         while True:
             with self._cond:
