@@ -182,11 +182,15 @@ def main() -> None:
         lines += ["## LoRA backend micro-benchmark (`micro_lora.py`)", "", machine_line(micro["machine"]), ""]
         ms = micro["ms_per_step"]
         lines += [
-            f"One mixed16 decode step: {micro['tokens']} tokens over {micro['adapters']} adapters, all layers.",
+            f"One decode step: {micro['tokens']} tokens over {micro['adapters']} adapters, all layers (ms).",
             "",
         ]
-        lines += [table(["torch backend ms", "matmul-only floor ms", "base GEMMs ms"],
-                        [[ms["backend"], ms["mm-only"], ms["base"]]]), ""]  # fmt: skip
+        if "backend" in ms:  # the one-case format of earlier runs
+            ms = {"mixed16": {"torch": ms["backend"], "mm-only": ms["mm-only"], "base": ms["base"]}}
+        cols = ["cpp", "torch", "mm-only", "base", "adapter_mib"]
+        rows = [[case, *(v.get(c, "—") for c in cols)] for case, v in ms.items()]
+        lines += [table(["case", "C++ grouped", "per-adapter torch", "matmul-only floor (1 thread)",
+                         "base GEMMs", "adapter MiB read"], rows), ""]  # fmt: skip
     loading = read_json("loading")
     lines += ["## Adapter loading", ""]
     if loading:

@@ -162,6 +162,7 @@ class Engine:
                 max_adapters=max_adapters,
                 device=self.device,
                 dtype=self.dtype,
+                rank_major_b=backend_name == "torch" and self.device.type == "cpu",  # Triton reads out-major B
             )
             self.lora_backend = get_backend(backend_name, self.device)
             self.manager.on_weights_ready = self._wake
@@ -360,6 +361,11 @@ class Engine:
     # ------------------------------------------------------------------ step loop (engine thread)
 
     def _run(self) -> None:
+        if self.device.type == "cpu":
+            # Flush denormals to zero (FTZ/DAZ) in this thread and in the OpenMP workers it starts (they inherit
+            # its MXCSR): adapters that push activations to tiny values made the real model's decode steps up to
+            # 1.4x slower on denormal arithmetic (bench/README.md, the CPU LoRA path).
+            torch.set_flush_denormal(True)
         sched = self.scheduler
         while True:
             with self._cond:

@@ -29,6 +29,7 @@ class LoRAProjWeights:
     slice_offsets: tuple[int, ...]  # len n_slices + 1, offsets into out_total
     ranks_cpu: Tensor | None = None
     scalings_cpu: Tensor | None = None
+    slot_adapted: list[bool] | None = None  # host: slot holds an adapter adapting some slice (None: unknown)
 
     @property
     def n_slices(self) -> int:
@@ -50,41 +51,126 @@ class LoRABackend(Protocol):
         ...
 
 
-class TorchLoRABackend:
-    """Per-adapter grouped matmuls: each adapter's tokens (consecutive rows in place, others
-    gathered once) are multiplied by that adapter's own rank-r matrices (no per-token weight
-    gather, no max-rank compute). `bench/micro_lora.py` times it against its matmul-only floor."""
+SMALL_SEGMENT = 16  # an adapter with at most this many tokens in the step goes to the grouped C++ kernel
+GROUPED = ("cpp", "torch")
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+Segment = tuple[int, int, int, int]  # (slot, start, end) into sorted_token_ids, first row of its tokens or -1
+
+
+@dataclass
+class _Plan:
+    """How the torch backend splits one step (host-side, built once per step by `prepare`).
+
+    Large segments (prefill chunks) run per-adapter matmuls, whose cost is their FLOPs; the small ones
+    (each adapter's decode tokens) go to one grouped kernel call per projection group.
+    """
+
+    slots: tuple[int, ...]  # every slot of the step
+    large: tuple[Segment, ...]
+    small: tuple[Segment, ...]
+    small_rows: Tensor  # int32: the rows of the small segments' tokens, segment after segment
+    small_segs: Tensor  # int64 [S, 3]: (slot, start, end) into small_rows
+
+
+def make_plan(batch: LoRABatchInfo, small_segment: int = SMALL_SEGMENT) -> _Plan:
+    """Split `batch`'s segments at `small_segment` tokens (0: every segment is large)."""
+    ids = batch.sorted_token_ids.cpu()
+    large: list[Segment] = []
+    small: list[Segment] = []
+    seg_rows, pieces = [], []
+    pos = 0
+    for (slot, start, end), row in zip(batch.segments, batch.segment_rows, strict=True):
+        if end - start > small_segment:
+            large.append((slot, start, end, row))
+        else:
+            small.append((slot, start, end, row))
+            seg_rows.append((slot, pos, pos + end - start))
+            pieces.append(ids[start:end])
+            pos += end - start
+    return _Plan(
+        slots=tuple(s for s, _, _ in batch.segments),
+        large=tuple(large),
+        small=tuple(small),
+        small_rows=torch.cat(pieces).to(torch.int32) if pieces else torch.empty(0, dtype=torch.int32),
+        small_segs=torch.tensor(seg_rows, dtype=torch.int64).reshape(-1, 3),
+    )
+
+
+class TorchLoRABackend:
+    """Multi-LoRA without Triton (the CPU backend; on CUDA the reference of the Triton kernels).
+
+    Per projection group and step, on CPU with the C++ kernel (`cpu_lora`, the default where it builds):
+      - every adapter with at most `SMALL_SEGMENT` tokens in the step (decode tokens) goes through ONE
+        `cpu_lora.lora_small` call: each adapter's own rank, the rows read and updated in place, the work
+        split over ATen's threads;
+      - larger segments (prefill chunks) run their own rank-r matmuls, one shrink mm and one in-place addmm_
+        per slice, in place when their tokens are consecutive rows (else gathered once, index_add_ back).
+    Without the kernel (`grouped="torch"`, `LORAFLEET_CPU_LORA=torch`, no compiler, CUDA, float16) every
+    segment takes the per-adapter matmuls. No op changes torch's thread count. `bench/micro_lora.py` times
+    both against their matmul-only floor.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", grouped: str | None = None) -> None:
+        """`grouped`: "cpp" (the C++ kernel for small segments) or "torch" (per-adapter matmuls only);
+        None = "cpp" on CPU where the kernel builds, else "torch"."""
         self.device = torch.device(device)
+        if grouped is None:
+            from . import cpu_lora
+
+            grouped = "cpp" if self.device.type == "cpu" and cpu_lora.available() else "torch"
+        if grouped not in GROUPED:
+            raise ValueError(f"grouped path {grouped!r}: choose one of {', '.join(GROUPED)}")
+        if grouped == "cpp":
+            from . import cpu_lora
+
+            if not cpu_lora.available():
+                raise ValueError(f"the CPU LoRA kernel is not available (see the log; {cpu_lora.ENV})")
+        self.grouped = grouped
+        self.small_segment = SMALL_SEGMENT if grouped == "cpp" else 0
 
     def prepare(self, token_slots: Tensor) -> LoRABatchInfo:
-        return build_batch_info(token_slots)
+        batch = build_batch_info(token_slots)
+        batch.host_plan = make_plan(batch, self.small_segment)
+        return batch
 
     def apply(self, x: Tensor, out: Tensor, w: LoRAProjWeights, batch: LoRABatchInfo) -> None:
         if not batch.has_lora:
             return
-        if x.device.type != "cpu":
-            self._apply(x, out, w, batch)
+        plan = batch.host_plan
+        if not isinstance(plan, _Plan):  # a batch from another backend's prepare
+            plan = batch.host_plan = make_plan(batch, self.small_segment)
+        adapted = w.slot_adapted
+        if adapted is not None and not any(adapted[s] for s in plan.slots):
+            return  # no adapter of the step adapts this group (e.g. q/v-only adapters on the MLP)
+        if plan.large:
+            self._per_adapter(x, out, w, batch, plan.large)
+        if not plan.small:
             return
-        # On CPU the per-adapter matmuls are tiny (a few tokens x rank): splitting each across OpenMP
-        # threads costs more than it saves, and a busy host that deschedules one thread stalls every
-        # op. On one thread, mixed16 at concurrency 32 went from 42.9 to 71.0 tok/s (bench, 2 cores).
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            self._apply(x, out, w, batch)
-        finally:
-            torch.set_num_threads(threads)
+        if (
+            x.device.type == "cpu"
+            and x.dtype == out.dtype == w.A.dtype == w.B.dtype
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and out.stride(-1) == 1
+        ):
+            from . import cpu_lora
 
-    def _apply(self, x: Tensor, out: Tensor, w: LoRAProjWeights, batch: LoRABatchInfo) -> None:
+            ranks = w.ranks_cpu if w.ranks_cpu is not None else w.ranks.cpu()
+            scalings = w.scalings_cpu if w.scalings_cpu is not None else w.scalings.cpu()
+            x2 = x if x.stride(-1) == 1 else x.contiguous()
+            cpu_lora.lora_small(x2, out, w.A, w.B, ranks, scalings, w.slice_offsets, plan.small_rows, plan.small_segs)
+        else:
+            self._per_adapter(x, out, w, batch, plan.small)
+
+    def _per_adapter(
+        self, x: Tensor, out: Tensor, w: LoRAProjWeights, batch: LoRABatchInfo, segments: tuple[Segment, ...]
+    ) -> None:
+        """Per-adapter matmuls: a segment of consecutive rows is read and updated in place; the others
+        (decodes of one adapter spread over the batch) are gathered once into one buffer, updated there,
+        and scattered back with one index_add_."""
         ranks, scalings = w.host_meta()
         in_place = out.dtype == x.dtype
-        # A segment whose tokens are consecutive rows (a prefill chunk) is read and updated in
-        # place. The others (decodes of one adapter spread over the batch) are gathered once into
-        # one buffer, updated there, and scattered back with one index_add_.
         scattered: list[tuple[int, int, int]] = []
-        for (slot, start, end), row in zip(batch.segments, batch.segment_rows, strict=True):
+        for slot, start, end, row in segments:
             if row >= 0 and in_place:
                 n = end - start
                 self._segment(x[row : row + n], out[row : row + n], w, slot, ranks[slot], scalings[slot])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,6 +30,7 @@ class LoRABatchInfo:
     has_lora: bool
     segments: tuple[tuple[int, int, int], ...] = ()
     segment_rows: tuple[int, ...] = ()
+    host_plan: Any = None  # backend-specific per-step data (the torch backend's `_Plan`), built by `prepare`
 
 
 def build_batch_info(token_slots: Tensor) -> LoRABatchInfo:

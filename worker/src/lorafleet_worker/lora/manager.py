@@ -70,8 +70,10 @@ class AdapterManager:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         max_adapters: int | None = None,
+        rank_major_b: bool | None = None,
     ) -> None:
-        """`max_adapters` caps the number of registered names (None = unlimited; beyond it: CapacityError)."""
+        """`max_adapters` caps the number of registered names (None = unlimited; beyond it: CapacityError);
+        `rank_major_b`: the pool's B layout (see `LoRAPool`)."""
         if max_cpu_loras < 1:
             raise ValueError("max_cpu_loras must be >= 1")
         self.config = config
@@ -79,7 +81,9 @@ class AdapterManager:
         self.max_cpu_loras = max_cpu_loras
         self.max_adapters = max_adapters
         self.dtype = dtype
-        self.pool = LoRAPool(config, num_slots=max_loras, max_rank=max_lora_rank, device=device, dtype=dtype)
+        self.pool = LoRAPool(
+            config, num_slots=max_loras, max_rank=max_lora_rank, device=device, dtype=dtype, rank_major_b=rank_major_b
+        )
         self._lock = threading.RLock()
         self._registry: dict[str, _Version] = {}
         self._cpu: OrderedDict[int, _Version] = OrderedDict()  # version id -> version with weights, LRU first

@@ -10,7 +10,12 @@ from .backend import LoRAProjWeights
 
 
 class LoRAPool:
-    """`num_slots` GPU slots; slot i of every (layer, group) buffer holds one adapter's weights."""
+    """`num_slots` GPU slots; slot i of every (layer, group) buffer holds one adapter's weights.
+
+    B is `[num_slots, out_total, max_rank]` in every layout. Rank-major (the default on CPU) makes it a
+    transposed view of a `[num_slots, max_rank, out_total]` buffer: the CPU kernel (`cpu_lora`) then
+    expands with contiguous rows of B, and the torch path's `B[slot, cols, :r].t()` is a contiguous
+    matrix. The Triton kernels read the out-major layout (rank stride 1): the engine asks for it."""
 
     def __init__(
         self,
@@ -20,7 +25,10 @@ class LoRAPool:
         max_rank: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        rank_major_b: bool | None = None,
     ) -> None:
+        """`rank_major_b`: store B rank-major (for the torch backend's CPU kernel; the Triton kernels need the
+        out-major layout); None = rank-major on CPU."""
         if num_slots < 1 or max_rank < 1:
             raise ValueError("a LoRA pool needs at least one slot and max_rank >= 1")
         self.config = config
@@ -28,18 +36,24 @@ class LoRAPool:
         self.max_rank = max_rank
         self.device = torch.device(device)
         self.dtype = dtype
+        self.rank_major_b = self.device.type == "cpu" if rank_major_b is None else rank_major_b
         self._weights: dict[tuple[int, str], LoRAProjWeights] = {}
         for layer in range(config.num_hidden_layers):
             for group, shape in group_shapes(config).items():
-                n = len(shape.slice_widths)
+                n, out_total = len(shape.slice_widths), shape.slice_offsets[-1]
+                if self.rank_major_b:  # see the class doc
+                    b = torch.zeros(num_slots, max_rank, out_total, device=self.device, dtype=dtype).transpose(1, 2)
+                else:
+                    b = torch.zeros(num_slots, out_total, max_rank, device=self.device, dtype=dtype)
                 self._weights[(layer, group)] = LoRAProjWeights(
                     A=torch.zeros(num_slots, n, max_rank, shape.in_dim, device=self.device, dtype=dtype),
-                    B=torch.zeros(num_slots, shape.slice_offsets[-1], max_rank, device=self.device, dtype=dtype),
+                    B=b,
                     ranks=torch.zeros(num_slots, n, device=self.device, dtype=torch.int32),
                     scalings=torch.zeros(num_slots, n, device=self.device, dtype=torch.float32),
                     slice_offsets=shape.slice_offsets,
                     ranks_cpu=torch.zeros(num_slots, n, dtype=torch.int32),
                     scalings_cpu=torch.zeros(num_slots, n, dtype=torch.float32),
+                    slot_adapted=[False] * num_slots,
                 )
 
     def weights(self, layer: int, group: str) -> LoRAProjWeights:
@@ -63,6 +77,8 @@ class LoRAPool:
             assert w.ranks_cpu is not None and w.scalings_cpu is not None
             w.ranks_cpu[slot].zero_()
             w.scalings_cpu[slot].zero_()
+            if w.slot_adapted is not None:
+                w.slot_adapted[slot] = False
             mods = adapter.modules.get(key) if adapter is not None else None
             for s, m in enumerate(mods or ()):
                 if m is None:
@@ -72,5 +88,7 @@ class LoRAPool:
                 w.B[slot, lo:hi, : m.rank].copy_(m.B)
                 w.ranks_cpu[slot, s] = m.rank
                 w.scalings_cpu[slot, s] = m.scaling
+                if w.slot_adapted is not None:
+                    w.slot_adapted[slot] = True
             w.ranks[slot].copy_(w.ranks_cpu[slot])
             w.scalings[slot].copy_(w.scalings_cpu[slot])

@@ -1,0 +1,170 @@
+"""The CPU LoRA paths: the C++ grouped kernel (`cpu_lora`) and the per-adapter torch fallback, against a dense
+reference: mixed ranks, adapters missing some target modules, per-module scalings, base-only rows, prefill
+segments beside decode tokens, both B layouts, float32 and bfloat16, no thread-count changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lorafleet_worker.lora import cpu_lora
+from lorafleet_worker.lora.adapter import GROUPS, LoRAAdapter, group_shapes
+from lorafleet_worker.lora.backend import SMALL_SEGMENT, TorchLoRABackend, get_backend, make_plan
+from lorafleet_worker.lora.pool import LoRAPool
+
+from bench.kernel_inputs import random_proj_weights
+from tests.worker.test_lora_backend import CONFIG, MAX_RANK, dense_reference, random_adapter
+
+needs_kernel = pytest.mark.skipif(not cpu_lora.available(), reason="the CPU LoRA kernel does not build here")
+PATHS = [pytest.param("cpp", marks=needs_kernel), "torch"]
+
+# slot 0: all seven at rank 64; slot 1: rank 4; slot 2: q/v only (PEFT's default) at ranks 8 and 16;
+# slot 3: mixed ranks, k/gate/o not adapted. Scalings differ per adapter (0.5 + seed) and per module below.
+ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+RANKS = {
+    0: dict.fromkeys(ALL7, 64),
+    1: dict.fromkeys(ALL7, 4),
+    2: {"q_proj": 8, "v_proj": 16},
+    3: {"q_proj": 16, "v_proj": 2, "up_proj": 8, "down_proj": 1},
+}
+LARGE = SMALL_SEGMENT + 3
+LAYOUTS = {
+    # decode tokens of every adapter, scattered, with base-only rows between them
+    "decode": [0, 1, -1, 3, 3, 0, -1, 1, 1, 0, 2, -1, 2],
+    # a prefill chunk of slot 1 (consecutive rows, > SMALL_SEGMENT) beside scattered decodes and base rows
+    "prefill+decode": [0, -1, 3, *[1] * LARGE, 2, -1, 0, 3],
+    # slot 0's tokens are many (a large segment) but not consecutive: gathered, updated, scattered back
+    "large-scattered": [0, 2] * LARGE + [-1, 3],
+    # exactly SMALL_SEGMENT tokens (small) and SMALL_SEGMENT + 1 (large), consecutive
+    "boundary": [2] * SMALL_SEGMENT + [3] * (SMALL_SEGMENT + 1),
+    "one-token": [3],
+    "base-only": [-1, -1, -1],
+}
+
+
+@pytest.fixture(scope="module")
+def pool_and_adapters() -> tuple[LoRAPool, dict[int, LoRAAdapter]]:
+    pool = LoRAPool(CONFIG, num_slots=5, max_rank=MAX_RANK)
+    adapters = {slot: random_adapter(ranks, seed=slot) for slot, ranks in RANKS.items()}
+    # per-module scalings (alpha patterns, rsLoRA's alpha/sqrt(r)): a different one for every module
+    for slot, adapter in adapters.items():
+        for (layer, _group), mods in adapter.modules.items():
+            for s, m in enumerate(mods):
+                if m is not None:
+                    mods[s] = type(m)(A=m.A, B=m.B, scaling=0.25 + 0.1 * slot + 0.05 * s + 0.01 * layer)
+        pool.write_slot(slot, adapter)
+    return pool, adapters
+
+
+def backend_for(path: str) -> TorchLoRABackend:
+    backend = TorchLoRABackend(grouped=path)
+    assert backend.grouped == path
+    return backend
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("group", list(GROUPS))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_matches_dense_reference(pool_and_adapters, path: str, group: str, layout: str) -> None:
+    pool, adapters = pool_and_adapters
+    slots = LAYOUTS[layout]
+    shape = group_shapes(CONFIG)[group]
+    gen = torch.Generator().manual_seed(len(slots))
+    x = torch.randn(len(slots), shape.in_dim, generator=gen)
+    base = torch.randn(len(slots), shape.slice_offsets[-1], generator=gen)
+    out = base.clone()
+    backend = backend_for(path)
+    backend.apply(x, out, pool.weights(1, group), backend.prepare(torch.tensor(slots, dtype=torch.int32)))
+    expected = base.double() + dense_reference(x, slots, adapters, 1, group)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    for t, slot in enumerate(slots):
+        if slot < 0 or adapters[slot].modules.get((1, group)) is None:
+            assert torch.equal(out[t], base[t]), "a token without this group's adapter must get no delta"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("layout", ["decode", "prefill+decode"])
+def test_bfloat16(pool_and_adapters, path: str, layout: str) -> None:
+    _, adapters = pool_and_adapters
+    pool = LoRAPool(CONFIG, num_slots=5, max_rank=MAX_RANK, dtype=torch.bfloat16)
+    for slot, adapter in adapters.items():
+        pool.write_slot(slot, adapter)
+    slots = LAYOUTS[layout]
+    x = torch.randn(len(slots), 64, generator=torch.Generator().manual_seed(3))
+    out = torch.zeros(len(slots), 96, dtype=torch.bfloat16)
+    backend = backend_for(path)
+    backend.apply(x.bfloat16(), out, pool.weights(0, "qkv"), backend.prepare(torch.tensor(slots)))
+    ref = dense_reference(x, slots, adapters, 0, "qkv")
+    torch.testing.assert_close(out.double(), ref, rtol=5e-2, atol=5e-2 * float(ref.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_reads_either_b_layout_and_nothing_past_a_rank(dtype: torch.dtype) -> None:
+    """Stacked weights as the Triton tests build them (B [slot, out, rank], entries past each rank NaN) and the
+    same weights in the CPU pool's rank-major layout give the per-adapter result, and no NaN."""
+    ranks = [[1, 1, 1], [64, 64, 64], [8, 0, 8], [33, 17, 5]]
+    w = random_proj_weights(in_dim=40, widths=(48, 16, 16), ranks=ranks, max_rank=64, dtype=dtype)
+    rank_major = type(w)(**{**w.__dict__, "B": w.B.transpose(1, 2).contiguous().transpose(1, 2)})
+    assert rank_major.B.stride(1) == 1 and w.B.stride(2) == 1
+    slots = [1, -1, 3, 1, 1, 2, -1, 0, 1, 3, 1, -1, 2, 1, 3, 1, -1, 2, 1, 3, 1, -1]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(len(slots), 40, generator=gen).to(dtype)
+    out0 = torch.randn(len(slots), 80, generator=gen).to(dtype)
+    info = torch.tensor(slots, dtype=torch.int32)
+    results = []
+    for weights, path in ((w, "cpp"), (rank_major, "cpp"), (w, "torch")):
+        out = out0.clone()
+        backend = backend_for(path)
+        backend.apply(x, out, weights, backend.prepare(info))
+        assert torch.isfinite(out).all(), f"{path} read entries past an adapter's rank"
+        results.append(out.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(results[0], results[2], rtol=tol, atol=tol * float(results[2].abs().max()))
+    torch.testing.assert_close(results[1], results[2], rtol=tol, atol=tol * float(results[2].abs().max()))
+
+
+def test_cpu_pool_is_rank_major(pool_and_adapters) -> None:
+    pool, _ = pool_and_adapters
+    w = pool.weights(0, "gate_up")
+    assert tuple(w.B.shape) == (5, 192, MAX_RANK) and w.B.stride(1) == 1 and w.B.transpose(1, 2).is_contiguous()
+    assert w.slot_adapted == [True, True, False, True, False]  # slot 2 is q/v only, slot 4 empty
+    assert pool.weights(0, "qkv").slot_adapted == [True, True, True, True, False]
+    pool.write_slot(4, None)
+    assert w.slot_adapted is not None and not w.slot_adapted[4]
+
+
+def test_plan_splits_at_small_segment() -> None:
+    backend = TorchLoRABackend(grouped="torch")
+    slots = torch.tensor(LAYOUTS["prefill+decode"], dtype=torch.int32)
+    info = backend.prepare(slots)
+    assert not info.host_plan.small and len(info.host_plan.large) == 4  # torch: every segment per adapter
+    plan = make_plan(info)
+    assert [s[0] for s in plan.large] == [1] and [s[0] for s in plan.small] == [0, 2, 3]
+    assert plan.small_rows.tolist() == [0, LARGE + 5, LARGE + 3, 2, LARGE + 6]  # rows of slots 0, 2, 3
+    assert plan.small_segs.tolist() == [[0, 0, 2], [2, 2, 3], [3, 3, 5]]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_no_thread_count_change_on_the_hot_path(pool_and_adapters, path: str, monkeypatch) -> None:
+    pool, _ = pool_and_adapters
+
+    def refuse(n: int) -> None:
+        raise AssertionError("the LoRA backend must not change torch's thread count")
+
+    monkeypatch.setattr(torch, "set_num_threads", refuse)
+    backend = backend_for(path)
+    info = backend.prepare(torch.tensor(LAYOUTS["prefill+decode"], dtype=torch.int32))
+    for group, shape in group_shapes(CONFIG).items():
+        x = torch.randn(info.num_tokens, shape.in_dim)
+        backend.apply(x, torch.zeros(info.num_tokens, shape.slice_offsets[-1]), pool.weights(0, group), info)
+
+
+def test_env_selects_the_torch_path(monkeypatch) -> None:
+    monkeypatch.setenv(cpu_lora.ENV, "torch")
+    assert not cpu_lora.available()
+    assert get_backend("torch").grouped == "torch"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="not available"):
+        TorchLoRABackend(grouped="cpp")
+    monkeypatch.delenv(cpu_lora.ENV)
+    if cpu_lora.available():
+        assert get_backend("torch").grouped == "cpp"  # type: ignore[attr-defined]
