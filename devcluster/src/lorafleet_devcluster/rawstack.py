@@ -46,7 +46,15 @@ ROUTER_RULES = [
 def install_crd(cluster: TestCluster) -> None:
     """Apply the DynamoModel CRD (server-side) and wait until it is Established."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/dynamomodels.nvidia.com")
+    # Polled rather than `kubectl wait`: that errors out ("status.conditions accessor error") when it
+    # reads the CRD before the API server has written any condition, instead of waiting.
+    path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/dynamomodels.nvidia.com"
+
+    def established() -> bool:
+        conditions = (cluster.get(path).get("status") or {}).get("conditions") or []
+        return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
+
+    wait_until(established, 60, "the DynamoModel CRD to be Established")
 
 
 def pod_ready(pod: dict) -> bool:
