@@ -28,6 +28,17 @@ def decode_batch(seq_lens: list[int], block_tables: torch.Tensor, block_size: in
     return batch
 
 
+def scattered_block_tables(seq_lens: list[int], block_size: int, num_blocks: int) -> torch.Tensor:
+    """Each sequence's blocks scattered over the pool (never block 0), tables padded with block 0."""
+    perm = (torch.randperm(num_blocks - 1) + 1).tolist()
+    width = max(-(-n // block_size) for n in seq_lens)
+    tables = []
+    for n in seq_lens:
+        need = -(-n // block_size)
+        tables.append([perm.pop() for _ in range(need)] + [0] * (width - need))
+    return torch.tensor(tables, dtype=torch.int32)
+
+
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2)])
@@ -37,14 +48,7 @@ def test_matches_torch_decode(heads: int, kv_heads: int, dtype: torch.dtype, tol
     seq_lens = [1, 5, 4, 13, 30]  # one token, a partial block, a full block, several blocks
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
-    # each sequence's blocks scattered over the pool, tables padded with block 0
-    perm = (torch.randperm(num_blocks - 1) + 1).tolist()
-    width = max(-(-n // block_size) for n in seq_lens)
-    tables = []
-    for n in seq_lens:
-        need = -(-n // block_size)
-        tables.append([perm.pop() for _ in range(need)] + [0] * (width - need))
-    block_tables = torch.tensor(tables, dtype=torch.int32)
+    block_tables = scattered_block_tables(seq_lens, block_size, num_blocks)
     q = torch.randn(len(seq_lens), heads, head_dim).to(dtype)
     scale = head_dim**-0.5
     batch = decode_batch(seq_lens, block_tables, block_size, window)
@@ -77,13 +81,7 @@ def test_head_dims_and_work_splits(head_dim: int, num_seqs: int, dtype: torch.dt
     seq_lens = [[1, 7, 8, 9, 23, 40, 41][i % 7] for i in range(num_seqs)]
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
-    perm = (torch.randperm(num_blocks - 1) + 1).tolist()
-    width = max(-(-n // block_size) for n in seq_lens)
-    tables = []
-    for n in seq_lens:
-        need = -(-n // block_size)
-        tables.append([perm.pop() for _ in range(need)] + [0] * (width - need))
-    block_tables = torch.tensor(tables, dtype=torch.int32)
+    block_tables = scattered_block_tables(seq_lens, block_size, num_blocks)
     q = torch.randn(num_seqs, heads, head_dim).to(dtype)
     batch = decode_batch(seq_lens, block_tables, block_size, None)
     ours = cpu_attention.paged_decode(q, k_cache, v_cache, block_tables, batch.decode_seq_lens, 0.3, None)
