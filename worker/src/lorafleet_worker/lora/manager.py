@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from ..omp_threads import serial
 from .adapter import LoRAAdapter
 from .errors import AdapterError, AdapterNotFoundError, CapacityError
 from .pool import LoRAPool
@@ -158,7 +159,8 @@ class AdapterManager:
                 raise v.read_error
             if not v.reading:
                 v.reading = True
-                threading.Thread(target=self._read_back, args=(v,), name=f"lora-read-{v.name}", daemon=True).start()
+                read = serial(self._read_back)  # its torch ops on this thread alone: omp_threads.py
+                threading.Thread(target=read, args=(v,), name=f"lora-read-{v.name}", daemon=True).start()
             return False
 
     def _read_back(self, v: _Version) -> None:

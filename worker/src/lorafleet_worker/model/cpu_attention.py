@@ -58,11 +58,12 @@ static inline float widen(at::BFloat16 x) {
   return f;
 }
 
-// exp(x) for x <= 0 (scores minus their max): Cody-Waite range reduction and Cephes' expf polynomial,
+// exp(x) for x <= 0 (scores minus their max): Cody-Waite range reduction (n by the 1.5 * 2^23 rounding trick)
+// and Cephes' expf polynomial,
 // about 1 ulp, branch-free so that the softmax loop vectorizes (std::exp does not without -ffast-math).
 static inline float exp_nonpos(float x) {
   x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (vectorizes)
   float r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -187,6 +188,7 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
         for (int64_t hh = 0; hh < nh; ++hh) {
           float* sh = scores.data() + hh * n;
           float m = sh[0];
+#pragma omp simd reduction(max : m)
           for (int64_t t = 1; t < n; ++t) m = std::max(m, sh[t]);
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -352,7 +354,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
 """
 
 
-EXT_NAME = "lorafleet_cpu_ops_v6"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+EXT_NAME = "lorafleet_cpu_ops_v7"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
 FUNCTIONS = ["paged_decode", "rms_norm", "add_rms_norm_", "silu_mul", "rope_"]
 LEVELS = ("x86-64-v4", "x86-64-v3")  # prebuilt variants, best first (v4: AVX-512; v3: AVX2 + FMA)
 _LEVEL_FLAGS = {

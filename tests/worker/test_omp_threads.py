@@ -1,0 +1,99 @@
+"""One OpenMP pool per worker process (omp_threads.py): the engine's setup and adapter threads start none."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from lorafleet_worker import omp_threads
+
+# Run in a fresh interpreter (this one's pools are whatever earlier tests left): build an engine on the main
+# thread, load an adapter, serve a request through it, then count the OS threads Python did not start. With
+# UNDISCIPLINED set, the engine's setup and adapter loads run the way they did before omp_threads.py.
+SCRIPT = r"""
+import asyncio, json, sys
+import torch
+import lorafleet_worker.engine as engine_mod
+from lorafleet_worker import omp_threads
+from lorafleet_worker.sampling import SamplingParams
+
+model_dir, adapter_dir, undisciplined = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+if undisciplined:
+    engine_mod.run_in_fresh_thread = lambda fn, *a, **kw: fn(*a, **kw)
+    engine_mod.serial = lambda fn: fn
+before = omp_threads.native_threads()
+engine = engine_mod.Engine(model_dir, max_loras=2, max_num_seqs=4, max_model_len=64, num_kv_blocks=4096)
+
+async def main():
+    await engine.start()
+    await engine.add_adapter("a", adapter_dir)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    async for _ in engine.generate("r", [5, 17, 42], params, adapter="a"):
+        pass
+    after = omp_threads.native_threads()
+    await engine.stop()
+    return after
+
+after = asyncio.run(main())
+print(json.dumps({"before": before, "after": after, "team": torch.get_num_threads()}))
+"""
+
+
+def _native_threads_after_serving(model_dir: Path, adapter_dir: Path, undisciplined: bool) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(model_dir), str(adapter_dir), "1" if undisciplined else "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_engine_process_keeps_one_openmp_pool(tiny_models: Any, tiny_adapter_factory: Any) -> None:
+    assert torch.get_num_threads() >= 2, "this test needs a machine with at least 2 CPUs"
+    model_dir = tiny_models["llama"]
+    adapter_dir = tiny_adapter_factory(model_dir, rank=8, seed=11)
+    ours = _native_threads_after_serving(model_dir, adapter_dir, undisciplined=False)
+    # the engine thread's pool: team - 1 workers; nothing else
+    assert ours["after"] - ours["before"] == ours["team"] - 1, ours
+    # the measurement sees a second pool: the setup's, on the main thread, that outlives it
+    theirs = _native_threads_after_serving(model_dir, adapter_dir, undisciplined=True)
+    assert theirs["after"] - theirs["before"] >= 2 * (theirs["team"] - 1), theirs
+
+
+def test_serial_here_is_per_thread() -> None:
+    team = torch.get_num_threads()
+    assert team >= 2, "this test needs a machine with at least 2 CPUs"
+    seen: list[int] = []
+
+    def aux() -> None:
+        omp_threads.serial_here()
+        torch.ones(1 << 20).sum()  # a parallel op: runs on this thread alone
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=aux)
+    thread.start()
+    thread.join()
+    assert seen == [1]
+    assert torch.get_num_threads() == team
+
+
+def test_run_in_fresh_thread_returns_and_raises() -> None:
+    assert omp_threads.run_in_fresh_thread(lambda a, b=0: a + b, 2, b=3) == 5
+
+    def fail() -> None:
+        raise ValueError("boom")
+
+    try:
+        omp_threads.run_in_fresh_thread(fail)
+    except ValueError as exc:
+        assert str(exc) == "boom"
+    else:
+        raise AssertionError("the error was not re-raised")

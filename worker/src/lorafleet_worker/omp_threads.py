@@ -1,0 +1,111 @@
+"""One OpenMP thread team per worker process: the engine thread's.
+
+torch on CPU runs its parallel ops (oneDNN / MKL GEMMs, ATen kernels, the C++ ops of `cpu_attention` and
+`cpu_lora`) on OpenMP, and libgomp gives every OS thread that starts a parallel region a pool of its own
+(threads - 1 workers), kept until that thread exits. Between regions the workers spin for a while, then
+sleep on a futex, but libgomp cuts the spin to almost nothing as soon as it manages more threads than the
+process has CPUs (`gomp_throttled_spin_count_var`). With a second pool alive (the thread that loaded the
+model, an executor thread that parsed an adapter) every parallel region of the engine thread paid a futex
+wake-up: on the 2-core benchmark machine a 32-row RMSNorm went from 6 µs to 75 µs, a decode-shaped oneDNN
+GEMM from 330 to 500 µs, and a decode step of the 97M bench model ran ~1.4x slower.
+
+The discipline, kept by `Engine`:
+- the engine's setup (model load, weight packing, KV cache and LoRA pool allocation) runs in a thread that
+  ends with it (`run_in_fresh_thread`): its pool ends too;
+- threads that run torch beside the step loop (adapter parsing, the CPU-tier read-back) are `serial_here`:
+  their OpenMP team size is 1, so they start no pool (their torch ops run on the calling thread);
+- the step loop's thread is the one that keeps a full team.
+
+A caller that runs parallel torch work on its own long-lived thread (a test, a notebook's main thread)
+still costs the engine this throttling; `native_threads()` counts the OS threads Python did not start
+(the pools' workers among them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_OMP_LIBS = ("libgomp", "libiomp5", "libomp")
+
+
+@functools.cache
+def _omp() -> Any | None:
+    """The OpenMP runtime torch loaded (found in /proc/self/maps), or None (not OpenMP, not Linux)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if os.path.basename(path).startswith(_OMP_LIBS) and ".so" in path:
+            try:
+                lib = ctypes.CDLL(path)
+                lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+                return lib
+            except (OSError, AttributeError):
+                continue
+    log.debug("no OpenMP runtime loaded: torch threads need no discipline")
+    return None
+
+
+def serial_here() -> None:
+    """Make torch's parallel ops on the calling thread run on that thread alone (OpenMP team size 1).
+
+    torch first sets the thread's team size (`torch.get_num_threads()` makes it do so now), then this
+    overrides it for this thread only; `torch.set_num_threads` would change every thread's."""
+    torch.get_num_threads()
+    lib = _omp()
+    if lib is not None:
+        lib.omp_set_num_threads(1)
+
+
+def serial(fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn` run as `serial_here(); fn(...)`: for a thread's target."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> T:
+        serial_here()
+        return fn(*args, **kwargs)
+
+    return run
+
+
+def run_in_fresh_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) on a new thread that ends when it returns (taking its OpenMP pool with it)."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(fn(*args, **kwargs))
+        except BaseException as exc:  # re-raised on the caller's thread
+            error.append(exc)
+
+    thread = threading.Thread(target=target, name=f"lorafleet-setup-{getattr(fn, '__name__', 'fn')}")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def native_threads() -> int:
+    """OS threads of this process that Python did not start (OpenMP workers and the like); -1 if unknown."""
+    try:
+        return len(os.listdir("/proc/self/task")) - threading.active_count()
+    except OSError:
+        return -1
+
+
+__all__ = ["native_threads", "run_in_fresh_thread", "serial", "serial_here"]
