@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -97,3 +98,22 @@ def test_run_in_fresh_thread_returns_and_raises() -> None:
         assert str(exc) == "boom"
     else:
         raise AssertionError("the error was not re-raised")
+
+
+def test_team_size_follows_omp_num_threads_then_the_cgroup_limit(tmp_path: Path) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    assert omp_threads.team_size({"OMP_NUM_THREADS": "3"}, str(tmp_path)) == (3, "OMP_NUM_THREADS")
+    assert omp_threads.team_size({}, str(tmp_path))[0] == cpus  # no cgroup files: the affinity mask
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert omp_threads.cgroup_cpu_limit(str(tmp_path)) is None
+    assert omp_threads.team_size({}, str(tmp_path))[0] == cpus
+    (tmp_path / "cpu.max").write_text("50000 100000\n")  # half a CPU: one thread
+    assert omp_threads.cgroup_cpu_limit(str(tmp_path)) == 0.5
+    n, why = omp_threads.team_size({}, str(tmp_path))
+    assert n == 1 and "cgroup" in why
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert omp_threads.cgroup_cpu_limit(str(v1)) == 1.5
+    assert omp_threads.team_size({}, str(v1))[0] == min(cpus, 2)

@@ -36,7 +36,7 @@ from lorafleet_worker.memory import (
     weight_bytes,
 )
 from lorafleet_worker.model import LoRAContext, Transformer, cpu_attention, cpu_linear, parse_dtype
-from lorafleet_worker.omp_threads import run_in_fresh_thread, serial
+from lorafleet_worker.omp_threads import run_in_fresh_thread, serial, size_team
 from lorafleet_worker.sampling import SamplingParams, TokenOutput, make_generator, prompt_logprobs, sample
 from lorafleet_worker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan
 
@@ -175,6 +175,7 @@ class Engine:
         slot_aging_s: float,
     ) -> None:
         """The body of `__init__`, on its own thread."""
+        size_team()
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.device = torch.device(device)

@@ -10,6 +10,10 @@ wake-up: on the 2-core benchmark machine a 32-row RMSNorm went from 6 µs to 75 
 GEMM from 330 to 500 µs, and a decode step of the 97M bench model ran ~1.4x slower.
 
 The discipline, kept by `Engine`:
+- the team is sized to the CPUs the process may use (`size_team`): OMP_NUM_THREADS when set, else the
+  smaller of the CPUs in its affinity mask and its cgroup CPU limit, rounded up (torch's default is every
+  core of the node, so a pod limited to 4 CPUs on a 64-core node ran 64 threads on 4 CPUs' worth of time:
+  every barrier waits for a descheduled thread);
 - the engine's setup (model load, weight packing, KV cache and LoRA pool allocation) runs in a thread that
   ends with it (`run_in_fresh_thread`): its pool ends too;
 - threads that run torch beside the step loop (adapter parsing, the CPU-tier read-back) are `serial_here`:
@@ -26,9 +30,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -100,6 +106,43 @@ def run_in_fresh_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return result[0]
 
 
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> float | None:
+    """The cgroup's CPU limit in CPUs (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`);
+    None when there is none or it cannot be read."""
+    base = Path(root)
+    try:
+        quota, _, period = (base / "cpu.max").read_text().partition(" ")
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((base / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((base / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def team_size(env: Any = os.environ, cgroup_root: str = "/sys/fs/cgroup") -> tuple[int, str]:
+    """(threads, why) for torch's CPU thread team; see the module docstring."""
+    if env.get("OMP_NUM_THREADS", "").strip().isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
+        return int(env["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    limit = cgroup_cpu_limit(cgroup_root)
+    if limit is not None and math.ceil(limit) < cpus:
+        return max(1, math.ceil(limit)), f"the cgroup's CPU limit ({limit:g} CPUs; {cpus} in the affinity mask)"
+    return cpus, f"the {cpus} CPUs of the affinity mask" + ("" if limit is None else f" (cgroup limit {limit:g})")
+
+
+def size_team() -> int:
+    """Set torch's thread count to `team_size()` (before the first parallel op of the engine); returns it."""
+    n, why = team_size()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    log.info("torch CPU threads: %d (%s)", n, why)
+    return n
+
+
 def native_threads() -> int:
     """OS threads of this process that Python did not start (OpenMP workers and the like); -1 if unknown."""
     try:
@@ -108,4 +151,12 @@ def native_threads() -> int:
         return -1
 
 
-__all__ = ["native_threads", "run_in_fresh_thread", "serial", "serial_here"]
+__all__ = [
+    "cgroup_cpu_limit",
+    "native_threads",
+    "run_in_fresh_thread",
+    "serial",
+    "serial_here",
+    "size_team",
+    "team_size",
+]
