@@ -72,7 +72,8 @@ def test_only_the_sequence_blocks_are_read() -> None:
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("head_dim", [12, 32])  # 12: the portable loops; 32: the AVX-512 ones where built
+# 12: the portable loops; 32: the AVX-512 ones where built; 64 and 128: the register-resident path per KV head
+@pytest.mark.parametrize("head_dim", [12, 32, 64, 128])
 @pytest.mark.parametrize("num_seqs", [1, 3, 17])  # few sequences split their KV heads over threads; many do not
 def test_head_dims_and_work_splits(head_dim: int, num_seqs: int, dtype: torch.dtype, tol: float) -> None:
     torch.manual_seed(2)
@@ -87,6 +88,22 @@ def test_head_dims_and_work_splits(head_dim: int, num_seqs: int, dtype: torch.dt
     ours = cpu_attention.paged_decode(q, k_cache, v_cache, block_tables, batch.decode_seq_lens, 0.3, None)
     ref = _torch_decode(q.float(), k_cache.float(), v_cache.float(), batch, 0.3)
     assert (ours.float() - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 8, 9])  # query heads per KV head; 9: past the fast path's 8
+def test_query_groups_of_the_fast_path(group: int, window: int | None) -> None:
+    torch.manual_seed(3)
+    kv_heads, head_dim, block_size, num_blocks = 2, 64, 16, 64
+    seq_lens = [1, 15, 16, 17, 60, 130]
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+    block_tables = scattered_block_tables(seq_lens, block_size, num_blocks)
+    q = torch.randn(len(seq_lens), group * kv_heads, head_dim)
+    batch = decode_batch(seq_lens, block_tables, block_size, window)
+    ours = cpu_attention.paged_decode(q, k_cache, v_cache, block_tables, batch.decode_seq_lens, 0.125, window)
+    ref = _torch_decode(q, k_cache, v_cache, batch, 0.125)
+    assert (ours - ref).abs().max().item() < 1e-5
 
 
 def test_large_score_range_stays_finite() -> None:

@@ -116,6 +116,118 @@ static inline void axpy(float p, const T* v, float* acc, int64_t D) {
   for (int64_t d = 0; d < D; ++d) acc[d] += p * widen(v[d]);
 }
 
+// softmax in place over each of `rows` rows of n scores (a branch-free vectorised exp)
+static inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
+  for (int64_t hh = 0; hh < rows; ++hh) {
+    float* sh = scores + hh * n;
+    float m = sh[0];
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 1; t < n; ++t) m = std::max(m, sh[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      const float e = exp_nonpos(sh[t] - m);
+      sh[t] = e;
+      sum += e;
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
+  }
+}
+
+#if defined(__AVX512F__)
+// The fast path of one (sequence, KV head): its G query heads live in registers (NCH = D / 16 vectors each)
+// for the whole context, each key row is loaded once for the G dot products, and the G output rows are
+// accumulated in registers over the value rows (no accumulator traffic through memory). `kc` / `vc` point
+// at this KV head's slice of the caches; the next block's rows are prefetched while a block is read.
+template <typename T, int NCH, int G>
+static void attend_kv_head(const T* q, float scale, const T* kc, const T* vc, const int32_t* table, int64_t bs,
+                           int64_t row_len, int64_t first, int64_t n, float* scores, T* out) {
+  constexpr int64_t D = NCH * 16;
+  __m512 qv[G][NCH];
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NCH; ++c) qv[g][c] = _mm512_mul_ps(load16(q + g * D + c * 16), sc);
+  for (int pass = 0; pass < 2; ++pass) {  // 0: scores over K, 1: weighted sum over V
+    const T* base = pass == 0 ? kc : vc;
+    __m512 acc[G][NCH];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < NCH; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n;) {
+      const int64_t pos = first + t;
+      const int64_t off = pos % bs;
+      const int64_t run = std::min(bs - off, n - t);
+      const T* row = base + (int64_t{table[pos / bs]} * bs + off) * row_len;
+      const T* next = t + run < n ? base + int64_t{table[(first + t + run) / bs]} * bs * row_len : nullptr;
+      for (int64_t i = 0; i < run; ++i, row += row_len) {
+        if (next != nullptr) {
+          const char* nr = reinterpret_cast<const char*>(next + i * row_len);
+          for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(nr + b);
+        }
+        __m512 x[NCH];
+        for (int c = 0; c < NCH; ++c) x[c] = load16(row + c * 16);
+        if (pass == 0) {
+          for (int g = 0; g < G; ++g) {
+            __m512 a = _mm512_mul_ps(qv[g][0], x[0]);
+            for (int c = 1; c < NCH; ++c) a = _mm512_fmadd_ps(qv[g][c], x[c], a);
+            scores[g * n + t + i] = _mm512_reduce_add_ps(a);
+          }
+        } else {
+          for (int g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(scores[g * n + t + i]);
+            for (int c = 0; c < NCH; ++c) acc[g][c] = _mm512_fmadd_ps(p, x[c], acc[g][c]);
+          }
+        }
+      }
+      t += run;
+    }
+    if (pass == 0) {
+      softmax_rows(scores, G, n);
+      continue;
+    }
+    for (int g = 0; g < G; ++g) {
+      alignas(64) float tmp[D];
+      for (int c = 0; c < NCH; ++c) _mm512_store_ps(tmp + c * 16, acc[g][c]);
+      for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(tmp[d]);
+    }
+  }
+}
+
+template <typename T>
+using KvHeadFn = void (*)(const T*, float, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                          float*, T*);
+
+template <typename T, int NCH>
+static KvHeadFn<T> pick_group(int64_t G) {
+  switch (G) {
+    case 1: return &attend_kv_head<T, NCH, 1>;
+    case 2: return &attend_kv_head<T, NCH, 2>;
+    case 3: return &attend_kv_head<T, NCH, 3>;
+    case 4: return &attend_kv_head<T, NCH, 4>;
+    case 5: return &attend_kv_head<T, NCH, 5>;
+    case 6: return &attend_kv_head<T, NCH, 6>;
+    case 7: return &attend_kv_head<T, NCH, 7>;
+    case 8: return &attend_kv_head<T, NCH, 8>;
+    default: return nullptr;
+  }
+}
+
+// The fast path for head dims 64 and 128 with up to 8 query heads per KV head; nullptr: the general loop.
+template <typename T>
+static KvHeadFn<T> pick_fast(int64_t D, int64_t G) {
+  if (D == 64) return pick_group<T, 4>(G);
+  if (D == 128) return pick_group<T, 8>(G);
+  return nullptr;
+}
+#else
+template <typename T>
+using KvHeadFn = void (*)(const T*, float, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                          float*, T*);
+template <typename T>
+static KvHeadFn<T> pick_fast(int64_t, int64_t) { return nullptr; }
+#endif
+
 // One work item per (sequence, range of KV heads): the query heads of those KV heads score every
 // token's key slice (D contiguous values per KV head in the token's [KVH, D] row of its block), then
 // the softmax, then the weighted sum of the value rows. With enough sequences an item takes all KV
@@ -139,6 +251,7 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   const int64_t splits = B >= want ? 1 : std::min<int64_t>(KVH, (want + B - 1) / B);
   const int64_t per_split = (KVH + splits - 1) / splits;
   const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(T));
+  const KvHeadFn<T> fast = pick_fast<T>(D, G);
   at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), scores;
     for (int64_t item = begin; item < end; ++item) {
@@ -154,10 +267,17 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
         for (int64_t j = 0; j < nh * D; ++j) ob[j] = static_cast<T>(0.f);
         continue;
       }
+      const int32_t* table = btp + b * maxb;
+      if (fast != nullptr) {
+        scores.resize(G * n);
+        for (int64_t kv = kv0; kv < kv1; ++kv)
+          fast(qp + (b * H + kv * G) * D, fscale, kp + kv * D, vp + kv * D, table, bs, row_len, first, n,
+               scores.data(), op + (b * H + kv * G) * D);
+        continue;
+      }
       scores.resize(nh * n);
       const T* qb = qp + (b * H + h0) * D;
       for (int64_t j = 0; j < nh * D; ++j) qf[j] = widen(qb[j]) * fscale;
-      const int32_t* table = btp + b * maxb;
       for (int pass = 0; pass < 2; ++pass) {  // 0: scores over K, 1: weighted sum over V
         const T* base = pass == 0 ? kp : vp;
         if (pass == 1) std::fill(acc.begin(), acc.begin() + nh * D, 0.f);
@@ -185,22 +305,7 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
           t = tn;
         }
         if (pass == 1) break;
-        for (int64_t hh = 0; hh < nh; ++hh) {
-          float* sh = scores.data() + hh * n;
-          float m = sh[0];
-#pragma omp simd reduction(max : m)
-          for (int64_t t = 1; t < n; ++t) m = std::max(m, sh[t]);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; ++t) {
-            const float e = exp_nonpos(sh[t] - m);
-            sh[t] = e;
-            sum += e;
-          }
-          const float inv = 1.f / sum;
-#pragma omp simd
-          for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
-        }
+        softmax_rows(scores.data(), nh, n);
       }
       for (int64_t j = 0; j < nh * D; ++j) ob[j] = static_cast<T>(acc[j]);
     }
@@ -354,7 +459,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
 """
 
 
-EXT_NAME = "lorafleet_cpu_ops_v7"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+EXT_NAME = "lorafleet_cpu_ops_v8"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
 FUNCTIONS = ["paged_decode", "rms_norm", "add_rms_norm_", "silu_mul", "rope_"]
 LEVELS = ("x86-64-v4", "x86-64-v3")  # prebuilt variants, best first (v4: AVX-512; v3: AVX2 + FMA)
 _LEVEL_FLAGS = {
