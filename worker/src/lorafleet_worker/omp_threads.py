@@ -98,7 +98,8 @@ def run_in_fresh_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         except BaseException as exc:  # re-raised on the caller's thread
             error.append(exc)
 
-    thread = threading.Thread(target=target, name=f"lorafleet-setup-{getattr(fn, '__name__', 'fn')}")
+    name = f"lorafleet-setup-{getattr(fn, '__name__', 'fn')}"
+    thread = threading.Thread(target=target, name=name, daemon=True)  # Ctrl-C during a load exits at once
     thread.start()
     thread.join()
     if error:
