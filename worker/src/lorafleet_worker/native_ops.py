@@ -45,7 +45,7 @@ _LEVEL_FLAGS = {
 OPS_DIR_ENV = "LORAFLEET_CPU_OPS_DIR"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: one per extension module, cheap as a cache key
 class Extension:
     """One C++ extension: `name` (the module, JIT cache and prebuilt file name; bump it with any change to
     `source`), the C++ `source`, the `functions` it exports, `switch` (the environment variable whose value
