@@ -1,103 +1,204 @@
-"""Where the CPU C++ ops come from (`cpu_attention.load_module`): off, prebuilt, JIT, or the torch path."""
+"""Where the worker's C++ extensions come from (`native_ops`): off, prebuilt, JIT, or the torch path, for both
+the CPU ops (`model/cpu_attention.py`) and the grouped LoRA kernel (`lora/cpu_lora.py`)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
+from lorafleet_worker import native_ops
+from lorafleet_worker.lora import cpu_lora
 from lorafleet_worker.model import cpu_attention
 
 V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
 V4 = V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+EXTENSIONS = [pytest.param(cpu_attention.EXTENSION, id="cpu_ops"), pytest.param(cpu_lora.EXTENSION, id="cpu_lora")]
+
+
+def test_both_extensions_are_registered() -> None:
+    exts = native_ops.extensions()
+    assert exts == [cpu_attention.EXTENSION, cpu_lora.EXTENSION]
+    assert [e.name for e in exts] == [cpu_attention.EXT_NAME, cpu_lora.EXT_NAME]
+    assert [e.switch for e in exts] == ["LORAFLEET_CPU_ATTENTION", "LORAFLEET_CPU_LORA"]
+    assert len({e.name for e in exts}) == 2  # one prebuilt file each in LORAFLEET_CPU_OPS_DIR
+
+
+def test_importing_the_loader_imports_neither_torch_nor_an_extension_module() -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import lorafleet_worker.native_ops\n"
+        "bad = [m for m in ('torch', 'lorafleet_worker.model.cpu_attention', 'lorafleet_worker.lora.cpu_lora')"
+        " if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "from lorafleet_worker.model import cpu_attention\n"
+        "from lorafleet_worker.lora import cpu_lora\n"
+        "assert 'torch.utils.cpp_extension' not in sys.modules  # only a build imports it\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_cpu_flags_and_levels() -> None:
     info = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2\nbugs\t\t: none\n"
-    assert cpu_attention.cpu_flags(info) == {"fpu", "sse2", "avx", "avx2"}
-    assert cpu_attention.cpu_flags("no flags here") == set()
-    assert cpu_attention.cpu_levels(V4) == ["x86-64-v4", "x86-64-v3"]
-    assert cpu_attention.cpu_levels(V3) == ["x86-64-v3"]
-    assert cpu_attention.cpu_levels(V4 - {"fma"}) == []  # v4 needs v3
-    assert cpu_attention.cpu_levels(set()) == []
+    assert native_ops.cpu_flags(info) == {"fpu", "sse2", "avx", "avx2"}
+    assert native_ops.cpu_flags("no flags here") == set()
+    assert native_ops.cpu_levels(V4) == ["x86-64-v4", "x86-64-v3"]
+    assert native_ops.cpu_levels(V3) == ["x86-64-v3"]
+    assert native_ops.cpu_levels(V4 - {"fma"}) == []  # v4 needs v3
+    assert native_ops.cpu_levels(set()) == []
 
 
-def test_prebuilt_path_picks_the_best_level_present(tmp_path: Path) -> None:
-    name = cpu_attention.EXT_NAME
-    assert cpu_attention.prebuilt_path(tmp_path, V4) is None
-    (tmp_path / f"{name}-x86-64-v3.so").write_bytes(b"")
-    assert cpu_attention.prebuilt_path(tmp_path, V4) == tmp_path / f"{name}-x86-64-v3.so"
-    (tmp_path / f"{name}-x86-64-v4.so").write_bytes(b"")
-    assert cpu_attention.prebuilt_path(tmp_path, V4) == tmp_path / f"{name}-x86-64-v4.so"
-    assert cpu_attention.prebuilt_path(tmp_path, V3) == tmp_path / f"{name}-x86-64-v3.so"
-    assert cpu_attention.prebuilt_path(tmp_path, set()) is None  # an old CPU runs neither
-    assert cpu_attention.prebuilt_path(None, V4) is None
+@pytest.mark.parametrize("ext", EXTENSIONS)
+def test_prebuilt_path_picks_the_best_level_present(tmp_path: Path, ext: native_ops.Extension) -> None:
+    other = next(e for e in native_ops.extensions() if e != ext)
+    (tmp_path / f"{other.name}-x86-64-v4.so").write_bytes(b"")  # the other extension's library is not this one
+    assert native_ops.prebuilt_path(ext, tmp_path, V4) is None
+    (tmp_path / f"{ext.name}-x86-64-v3.so").write_bytes(b"")
+    assert native_ops.prebuilt_path(ext, tmp_path, V4) == tmp_path / f"{ext.name}-x86-64-v3.so"
+    (tmp_path / f"{ext.name}-x86-64-v4.so").write_bytes(b"")
+    assert native_ops.prebuilt_path(ext, tmp_path, V4) == tmp_path / f"{ext.name}-x86-64-v4.so"
+    assert native_ops.prebuilt_path(ext, tmp_path, V3) == tmp_path / f"{ext.name}-x86-64-v3.so"
+    assert native_ops.prebuilt_path(ext, tmp_path, set()) is None  # an old CPU runs neither
+    assert native_ops.prebuilt_path(ext, None, V4) is None
     (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "lorafleet_cpu_ops_v1-x86-64-v4.so").write_bytes(b"")  # another version's name
-    assert cpu_attention.prebuilt_path(tmp_path / "old", V4) is None
+    (tmp_path / "old" / f"{ext.name}_old-x86-64-v4.so").write_bytes(b"")  # another version's name
+    assert native_ops.prebuilt_path(ext, tmp_path / "old", V4) is None
 
 
 class Calls:
+    """Stands in for the import of a prebuilt library and the JIT build; records which ran, for which extension."""
+
     def __init__(self, monkeypatch: pytest.MonkeyPatch, prebuilt: Any = "mod-prebuilt", jit: Any = "mod-jit") -> None:
         self.seen: list[str] = []
+        self.names: list[str] = []
 
         def fake(kind: str, result: Any) -> Any:
-            def call(*args: Any, **kwargs: Any) -> Any:
+            def call(ext: native_ops.Extension, *args: Any, **kwargs: Any) -> Any:
                 self.seen.append(kind)
+                self.names.append(ext.name)
                 if isinstance(result, Exception):
                     raise result
                 return result
 
             return call
 
-        monkeypatch.setattr(cpu_attention, "_import_prebuilt", fake("prebuilt", prebuilt))
-        monkeypatch.setattr(cpu_attention, "_jit", fake("jit", jit))
+        monkeypatch.setattr(native_ops, "_import_prebuilt", fake("prebuilt", prebuilt))
+        monkeypatch.setattr(native_ops, "_jit", fake("jit", jit))
 
 
-def test_selection_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / f"{cpu_attention.EXT_NAME}-x86-64-v4.so").write_bytes(b"")
+@pytest.mark.parametrize("ext", EXTENSIONS)
+def test_selection_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ext: native_ops.Extension) -> None:
+    (tmp_path / f"{ext.name}-x86-64-v4.so").write_bytes(b"")
     env = {"LORAFLEET_CPU_OPS_DIR": str(tmp_path)}
     calls = Calls(monkeypatch)
-    assert cpu_attention.load_module(env, V4) == "mod-prebuilt" and calls.seen == ["prebuilt"]
+    assert native_ops.load(ext, env, V4) == "mod-prebuilt" and calls.seen == ["prebuilt"]
+    assert calls.names == [ext.name]
     calls.seen.clear()
-    assert cpu_attention.load_module(env, V3) == "mod-jit" and calls.seen == ["jit"]  # no v3 build present
+    assert native_ops.load(ext, env, V3) == "mod-jit" and calls.seen == ["jit"]  # no v3 build present
     calls.seen.clear()
-    assert cpu_attention.load_module({}, V4) == "mod-jit" and calls.seen == ["jit"]  # no directory set
+    assert native_ops.load(ext, {}, V4) == "mod-jit" and calls.seen == ["jit"]  # no directory set
     calls.seen.clear()
-    assert cpu_attention.load_module({**env, "LORAFLEET_CPU_ATTENTION": "torch"}, V4) is None and calls.seen == []
+    assert native_ops.load(ext, {**env, ext.switch: "torch"}, V4) is None and calls.seen == []
+    assert native_ops.load(ext, {**env, ext.switch: "Torch"}, V4) is None and calls.seen == []
+    assert native_ops.switched_off(ext, {ext.switch: "torch"}) and not native_ops.switched_off(ext, {})
 
 
-def test_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / f"{cpu_attention.EXT_NAME}-x86-64-v4.so").write_bytes(b"")
+def test_each_switch_turns_off_only_its_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    Calls(monkeypatch)
+    env = {"LORAFLEET_CPU_LORA": "torch"}
+    assert native_ops.load(cpu_lora.EXTENSION, env, V4) is None
+    assert native_ops.load(cpu_attention.EXTENSION, env, V4) == "mod-jit"
+    env = {"LORAFLEET_CPU_ATTENTION": "torch"}
+    assert native_ops.load(cpu_attention.EXTENSION, env, V4) is None
+    assert native_ops.load(cpu_lora.EXTENSION, env, V4) == "mod-jit"
+
+
+@pytest.mark.parametrize("ext", EXTENSIONS)
+def test_fallbacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, ext: native_ops.Extension
+) -> None:
+    caplog.set_level(logging.INFO, logger=native_ops.__name__)
+    (tmp_path / f"{ext.name}-x86-64-v4.so").write_bytes(b"")
     env = {"LORAFLEET_CPU_OPS_DIR": str(tmp_path)}
     calls = Calls(monkeypatch, prebuilt=ImportError("undefined symbol"))
-    assert cpu_attention.load_module(env, V4) == "mod-jit" and calls.seen == ["prebuilt", "jit"]
+    assert native_ops.load(ext, env, V4) == "mod-jit" and calls.seen == ["prebuilt", "jit"]
+    assert "undefined symbol" in caplog.text and f"{ext.name}-x86-64-v4.so" in caplog.text  # why it was skipped
+    caplog.clear()
     calls = Calls(monkeypatch, prebuilt=ImportError("undefined symbol"), jit=RuntimeError("no g++"))
-    assert cpu_attention.load_module(env, V4) is None and calls.seen == ["prebuilt", "jit"]  # the torch path
+    assert native_ops.load(ext, env, V4) is None and calls.seen == ["prebuilt", "jit"]  # the torch path
+    assert "no g++" in caplog.text and ext.fallback in caplog.text
 
 
-def test_cli_usage() -> None:
-    with pytest.raises(SystemExit):
-        cpu_attention.main(["build", "/tmp/x", "x86-64-v9"])
+def test_cpu_lora_reads_its_switch_on_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_ops, "built", lambda ext: f"built {ext.name}")
+    monkeypatch.delenv(cpu_lora.ENV, raising=False)
+    assert cpu_lora._module() == f"built {cpu_lora.EXT_NAME}"
+    monkeypatch.setenv(cpu_lora.ENV, "torch")
+    assert cpu_lora._module() is None and not cpu_lora.available()
 
 
-@pytest.mark.skipif(not cpu_attention.available(), reason="no C++ toolchain here to build the library")
-def test_a_prebuilt_library_builds_loads_and_agrees(tmp_path: Path) -> None:
-    """The image's path end to end: build the portable (x86-64-v3) library, load it as the worker would
-    (in a fresh process, LORAFLEET_CPU_OPS_DIR set), and compare its decode attention with the torch path."""
+def test_cli_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        native_ops.main(["--help"])
+    assert exit_.value.code == 0 and "build" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        native_ops.main(["build", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "DIR" in out and "x86-64-v4" in out and "x86-64-v3" in out
+    for argv in (["build", "/tmp/x", "x86-64-v9"], ["build", "/tmp/x"], [], ["make", "/tmp/x", "x86-64-v3"]):
+        with pytest.raises(SystemExit) as exit_:
+            native_ops.main(argv)
+        assert exit_.value.code == 2, argv
+        assert "usage:" in capsys.readouterr().err
+
+
+def test_cli_builds_every_extension_for_the_level(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    flags: list[tuple[str, list[str]]] = []
+
+    def jit(ext: native_ops.Extension, cflags: list[str], build_directory: str | None = None) -> None:
+        assert build_directory is not None  # never the shared JIT cache
+        flags.append((ext.name, cflags))
+        (Path(build_directory) / f"{ext.name}.so").write_bytes(ext.name.encode())
+
+    monkeypatch.setattr(native_ops, "_jit", jit)
+    assert native_ops.main(["build", str(tmp_path / "lib"), "x86-64-v3"]) == 0
+    names = [cpu_attention.EXT_NAME, cpu_lora.EXT_NAME]
+    assert sorted(p.name for p in (tmp_path / "lib").iterdir()) == sorted(f"{n}-x86-64-v3.so" for n in names)
+    assert flags == [(n, ["-march=x86-64-v3"]) for n in names]
+
+    def broken(ext: native_ops.Extension, cflags: list[str], build_directory: str | None = None) -> None:
+        raise RuntimeError("g++ failed")
+
+    monkeypatch.setattr(native_ops, "_jit", broken)
+    assert native_ops.main(["build", str(tmp_path / "lib2"), "x86-64-v4"]) == 1
+
+
+@pytest.mark.skipif(
+    not (cpu_attention.available() and cpu_lora.available()), reason="no C++ toolchain here to build the libraries"
+)
+def test_prebuilt_libraries_build_load_and_agree(tmp_path: Path) -> None:
+    """The image's path end to end: build both extensions for the portable level (x86-64-v3) with the CLI, load
+    them as the worker would (in a fresh process, LORAFLEET_CPU_OPS_DIR set, nothing compiled), and compare
+    decode attention with the torch path and the LoRA kernel with a dense reference."""
     import os
     import subprocess
     import sys
 
-    if "x86-64-v3" not in cpu_attention.cpu_levels(cpu_attention.cpu_flags()):
+    if "x86-64-v3" not in native_ops.cpu_levels(native_ops.cpu_flags()):
         pytest.skip("this CPU does not run x86-64-v3")
     script = (
         "import logging, sys, torch\n"
         "logging.basicConfig(level=logging.INFO)\n"
         "from lorafleet_worker.model import cpu_attention as c\n"
+        "from lorafleet_worker.lora import cpu_lora as l\n"
         "from lorafleet_worker.model.attention import _torch_decode\n"
         "from tests.worker.test_cpu_attention import decode_batch\n"
-        "assert c.available()\n"
+        "assert c.available() and l.available()\n"
         "torch.manual_seed(0)\n"
         "kc, vc = torch.randn(6, 4, 2, 16), torch.randn(6, 4, 2, 16)\n"
         "tables = torch.tensor([[1, 2, 3], [4, 5, 0]], dtype=torch.int32)\n"
@@ -105,15 +206,28 @@ def test_a_prebuilt_library_builds_loads_and_agrees(tmp_path: Path) -> None:
         "q = torch.randn(2, 4, 16)\n"
         "ours = c.paged_decode(q, kc, vc, tables, batch.decode_seq_lens, 0.25, None)\n"
         "assert (ours - _torch_decode(q, kc, vc, batch, 0.25)).abs().max().item() < 1e-5\n"
+        # two adapters (ranks 4 and 2) on one 8-column slice, B stored [out, rank]; rows 0-1 slot 0, row 2 slot 1
+        "x, A, B = torch.randn(3, 16), torch.randn(2, 1, 4, 16), torch.randn(2, 8, 4)\n"
+        "ranks, scalings = torch.tensor([[4], [2]], dtype=torch.int32), torch.tensor([[0.5], [2.0]])\n"
+        "rows, segs = torch.arange(3, dtype=torch.int32), torch.tensor([[0, 0, 2], [1, 2, 3]])\n"
+        "out = torch.zeros(3, 8)\n"
+        "l.lora_small(x, out, A, B, ranks, scalings, (0, 8), rows, segs)\n"
+        "ref = torch.cat([0.5 * x[:2] @ A[0, 0].T @ B[0].T, 2.0 * x[2:] @ A[1, 0, :2].T @ B[1, :, :2].T])\n"
+        "assert (out - ref).abs().max().item() < 1e-4, (out, ref)\n"
     )
     built = subprocess.run(
-        [sys.executable, "-m", "lorafleet_worker.model.cpu_attention", "build", str(tmp_path / "lib"), "x86-64-v3"],
+        [sys.executable, "-m", "lorafleet_worker.native_ops", "build", str(tmp_path / "lib"), "x86-64-v3"],
         capture_output=True, text=True, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")},
     )  # fmt: skip
     assert built.returncode == 0, built.stderr[-2000:]
+    names = [cpu_attention.EXT_NAME, cpu_lora.EXT_NAME]
+    assert sorted(p.name for p in (tmp_path / "lib").iterdir()) == sorted(f"{n}-x86-64-v3.so" for n in names)
     env = {**os.environ, "LORAFLEET_CPU_OPS_DIR": str(tmp_path / "lib"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "no")}
+    for switch in ("LORAFLEET_CPU_ATTENTION", "LORAFLEET_CPU_LORA"):
+        env.pop(switch, None)
     root = Path(__file__).resolve().parents[2]
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "CPU C++ ops: prebuilt" in run.stderr and "x86-64-v3.so" in run.stderr
+    for name, what in ((cpu_attention.EXT_NAME, "CPU C++ ops"), (cpu_lora.EXT_NAME, "CPU LoRA kernel")):
+        assert f"{what}: prebuilt {tmp_path / 'lib' / name}-x86-64-v3.so" in run.stderr, run.stderr[-2000:]
     assert not (tmp_path / "no").exists()  # nothing was compiled at load

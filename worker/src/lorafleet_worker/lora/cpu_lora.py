@@ -14,22 +14,21 @@ tokens of each adapter) instead, in two passes split over ATen's thread pool:
 Only each adapter's own rank is read (no max-rank padding), slices of rank 0 are skipped, x rows are read in
 place through the step's row list (no gather, no scatter), float32 and bfloat16 (widened to float32).
 
-Built at first use with `torch.utils.cpp_extension.load_inline` (g++ and ninja; cached under
-`$TORCH_EXTENSIONS_DIR`). Where it cannot be built `available()` is False, the reason is logged once, and
-the backend runs per-adapter torch matmuls. `LORAFLEET_CPU_LORA=torch` turns it off (read when a backend
-is created).
+Where the library comes from (`native_ops`, the loader of the worker's C++ extensions, as for the CPU ops
+of `model/cpu_attention.py`): a prebuilt library in `$LORAFLEET_CPU_OPS_DIR` for the best x86-64 level this
+CPU runs (the worker image builds it with `python -m lorafleet_worker.native_ops build DIR LEVEL`), else
+compiled at first use with -march=native (g++ and ninja; cached under `$TORCH_EXTENSIONS_DIR`), else none:
+`available()` is False, the reason is logged once, and the backend runs per-adapter torch matmuls.
+`LORAFLEET_CPU_LORA=torch` turns it off (read on every call, so when a backend is created).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
 from typing import Any
 
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from lorafleet_worker import native_ops
 
 ENV = "LORAFLEET_CPU_LORA"
 
@@ -215,31 +214,22 @@ void lora_small(at::Tensor x, at::Tensor out, at::Tensor A, at::Tensor B, at::Te
 """
 
 
+EXT_NAME = "lorafleet_cpu_lora_v2"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+EXTENSION = native_ops.Extension(
+    name=EXT_NAME,
+    source=_SOURCE,
+    functions=("lora_small",),
+    switch=ENV,
+    what="CPU LoRA kernel",
+    fallback="LoRA runs per-adapter torch matmuls",
+)
+
+
 def _module() -> Any | None:
     """The built kernel, or None where `LORAFLEET_CPU_LORA=torch` (read on every call: tests flip it)."""
-    if os.environ.get(ENV, "").lower() == "torch":
+    if native_ops.switched_off(EXTENSION):
         return None
-    return _build()
-
-
-@functools.cache
-def _build() -> Any | None:
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        return load_inline(
-            name="lorafleet_cpu_lora_v2",
-            cpp_sources=[_SOURCE],
-            functions=["lora_small"],
-            # -fopenmp: without it ATen's headers compile at::parallel_for as a plain serial loop. The
-            # libgomp it links is torch's own at run time (same soname, already loaded by libtorch_cpu).
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path still works
-        log.warning("CPU LoRA kernel not built (%s); LoRA runs per-adapter torch matmuls", exc)
-        return None
+    return native_ops.built(EXTENSION)
 
 
 def available() -> bool:
@@ -266,4 +256,4 @@ def lora_small(
     mod.lora_small(x, out, A, B, ranks, scalings, list(offsets), rows, segs)
 
 
-__all__ = ["ENV", "available", "lora_small"]
+__all__ = ["ENV", "EXTENSION", "available", "lora_small"]

@@ -11,31 +11,22 @@ rows the same way, reading the sequence's blocks front to back and prefetching t
 run on ATen's OpenMP thread pool (the extension is compiled with -fopenmp: without it ATen's
 `parallel_for` runs serially, which is what the first versions did).
 
-Where the library comes from, first match wins:
-1. `LORAFLEET_CPU_ATTENTION=torch`: nothing; the torch path (decode attention and small ops).
-2. A prebuilt library in `$LORAFLEET_CPU_OPS_DIR` (the worker image builds them in its build stage:
-   `python -m lorafleet_worker.model.cpu_attention build DIR x86-64-v4`, and `x86-64-v3`): the best
-   level this CPU runs (`prebuilt_path`). One that fails to import (another torch) is skipped.
-3. Compiled at first use with `torch.utils.cpp_extension.load_inline` (g++ and ninja, -march=native,
-   about 30 s once; cached under `$TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`).
-4. Neither: `available()` is False, the reason is logged once, and the engine keeps the torch path.
+Where the library comes from (`native_ops`, the loader of the worker's C++ extensions): a prebuilt
+library in `$LORAFLEET_CPU_OPS_DIR` for the best x86-64 level this CPU runs (the worker image builds them
+with `python -m lorafleet_worker.native_ops build DIR LEVEL`), else compiled at first use with -march=native,
+else none: `available()` is False, the reason is logged once, and the engine keeps the torch path.
+`LORAFLEET_CPU_ATTENTION=torch` turns them off (decode attention and small ops on the torch path; read
+once, at first use).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import logging
-import os
-import shutil
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from lorafleet_worker import native_ops
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -458,104 +449,20 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
 }
 """
 
-
 EXT_NAME = "lorafleet_cpu_ops_v8"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
-FUNCTIONS = ["paged_decode", "rms_norm", "add_rms_norm_", "silu_mul", "rope_"]
-LEVELS = ("x86-64-v4", "x86-64-v3")  # prebuilt variants, best first (v4: AVX-512; v3: AVX2 + FMA)
-_LEVEL_FLAGS = {
-    "x86-64-v3": {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"},
-    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
-}
-
-
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The CPU's feature flags (/proc/cpuinfo); empty where they cannot be read."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
-def cpu_levels(flags: set[str]) -> list[str]:
-    """The prebuilt levels this CPU can run, best first."""
-    v3 = _LEVEL_FLAGS["x86-64-v3"] <= flags
-    v4 = v3 and _LEVEL_FLAGS["x86-64-v4"] <= flags
-    return [level for level, ok in zip(LEVELS, (v4, v3), strict=True) if ok]
-
-
-def prebuilt_path(directory: str | os.PathLike[str] | None, flags: set[str]) -> Path | None:
-    """The prebuilt library in `directory` for the best level these CPU flags run, or None."""
-    if not directory:
-        return None
-    for level in cpu_levels(flags):
-        path = Path(directory) / f"{EXT_NAME}-{level}.so"
-        if path.is_file():
-            return path
-    return None
-
-
-def _import_prebuilt(path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(EXT_NAME, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _jit(cflags: list[str], build_directory: str | None = None) -> Any:
-    from torch.utils.cpp_extension import load_inline
-
-    return load_inline(
-        name=EXT_NAME,
-        cpp_sources=[_SOURCE],
-        functions=FUNCTIONS,
-        extra_cflags=["-O3", *cflags, "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=build_directory,
-        verbose=False,
-    )
+EXTENSION = native_ops.Extension(
+    name=EXT_NAME,
+    source=_SOURCE,
+    functions=("paged_decode", "rms_norm", "add_rms_norm_", "silu_mul", "rope_"),
+    switch="LORAFLEET_CPU_ATTENTION",
+    what="CPU C++ ops",
+    fallback="decode attention and small ops use torch",
+)
 
 
 @functools.cache
 def _module() -> Any | None:
-    return load_module(os.environ, cpu_flags())
-
-
-def load_module(env: Any, flags: set[str]) -> Any | None:
-    """The C++ ops: off, prebuilt, JIT-compiled, or None (the torch path); see the module docstring."""
-    if env.get("LORAFLEET_CPU_ATTENTION", "").lower() == "torch":
-        log.info("CPU C++ ops off: the torch path (LORAFLEET_CPU_ATTENTION=torch)")
-        return None
-    path = prebuilt_path(env.get("LORAFLEET_CPU_OPS_DIR"), flags)
-    if path is not None:
-        try:
-            mod = _import_prebuilt(path)
-            log.info("CPU C++ ops: prebuilt %s", path)
-            return mod
-        except Exception as exc:  # built against another torch, or unreadable: try the JIT build
-            log.warning("prebuilt CPU ops %s not loaded (%s); compiling them", path, exc)
-    try:
-        return _jit(["-march=native"])
-    except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path still works
-        log.warning("CPU C++ ops not built (%s); decode attention and small ops use torch", exc)
-        return None
-
-
-def build_prebuilt(directory: str | os.PathLike[str], level: str) -> Path:
-    """Compile the ops for `level` (one of LEVELS) into `directory` as `EXT_NAME-level.so`."""
-    assert level in LEVELS, level
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        _jit([f"-march={level}"], build_directory=tmp)
-        target = out / f"{EXT_NAME}-{level}.so"
-        shutil.copy(Path(tmp) / f"{EXT_NAME}.so", target)
-    return target
+    return native_ops.load(EXTENSION)
 
 
 def available() -> bool:
@@ -610,26 +517,11 @@ def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
     mod.rope_(x, cos, sin)
 
 
-def main(argv: list[str]) -> None:
-    """`python -m lorafleet_worker.model.cpu_attention build DIR LEVEL`: one prebuilt library (image build)."""
-    if len(argv) != 3 or argv[0] != "build" or argv[2] not in LEVELS:
-        raise SystemExit(f"usage: python -m {__name__} build DIR {{{','.join(LEVELS)}}}")
-    print(build_prebuilt(argv[1], argv[2]))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
-
-
 __all__ = [
+    "EXTENSION",
     "add_rms_norm_",
     "available",
-    "build_prebuilt",
-    "cpu_flags",
-    "cpu_levels",
-    "load_module",
     "paged_decode",
-    "prebuilt_path",
     "rms_norm",
     "rope_",
     "silu_mul",

@@ -1,0 +1,226 @@
+"""Build and load the worker's C++ extensions (the CPU ops of `model/cpu_attention.py`, the grouped LoRA
+kernel of `lora/cpu_lora.py`).
+
+Each extension module describes its library with an `Extension` (name, C++ source, functions, off switch)
+as its `EXTENSION`; `EXTENSION_MODULES` lists those modules. Where a library comes from, first match wins:
+
+1. Its off switch (`LORAFLEET_CPU_ATTENTION=torch`, `LORAFLEET_CPU_LORA=torch`): nothing; the torch path.
+2. A prebuilt library in `$LORAFLEET_CPU_OPS_DIR`, `<name>-<level>.so`, for the best level this CPU runs
+   (`prebuilt_path`; x86-64-v4: AVX-512, x86-64-v3: AVX2 + FMA). The worker image builds every extension
+   for both levels in its build stage: `python -m lorafleet_worker.native_ops build DIR LEVEL`. One that
+   fails to import (built against another torch, unreadable) is skipped, and the reason logged.
+3. Compiled at first use with `torch.utils.cpp_extension.load_inline` (g++ and ninja, -march=native, about
+   30 s once; cached under `$TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`).
+4. Neither: None; the reason is logged and the caller keeps its torch path.
+
+torch.utils.cpp_extension is imported only to compile, and the extension modules only when the command
+line builds them (they import this one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# The modules that declare an extension (their `EXTENSION`), imported only by `extensions()`.
+EXTENSION_MODULES = ("lorafleet_worker.model.cpu_attention", "lorafleet_worker.lora.cpu_lora")
+LEVELS = ("x86-64-v4", "x86-64-v3")  # prebuilt variants, best first (v4: AVX-512; v3: AVX2 + FMA)
+_LEVEL_FLAGS = {
+    "x86-64-v3": {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"},
+    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+}
+OPS_DIR_ENV = "LORAFLEET_CPU_OPS_DIR"
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: one per extension module, cheap as a cache key
+class Extension:
+    """One C++ extension: `name` (the module, JIT cache and prebuilt file name; bump it with any change to
+    `source`), the C++ `source`, the `functions` it exports, `switch` (the environment variable whose value
+    `torch` turns it off), and for the log what it is (`what`) and what runs without it (`fallback`)."""
+
+    name: str
+    source: str
+    functions: tuple[str, ...]
+    switch: str
+    what: str
+    fallback: str
+
+
+def extensions() -> list[Extension]:
+    """Every extension of the worker (imports `EXTENSION_MODULES`, and so torch)."""
+    return [importlib.import_module(name).EXTENSION for name in EXTENSION_MODULES]
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo); empty where they cannot be read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def cpu_levels(flags: set[str]) -> list[str]:
+    """The prebuilt levels this CPU can run, best first."""
+    v3 = _LEVEL_FLAGS["x86-64-v3"] <= flags
+    v4 = v3 and _LEVEL_FLAGS["x86-64-v4"] <= flags
+    return [level for level, ok in zip(LEVELS, (v4, v3), strict=True) if ok]
+
+
+def prebuilt_path(ext: Extension, directory: str | os.PathLike[str] | None, flags: set[str]) -> Path | None:
+    """The prebuilt library of `ext` in `directory` for the best level these CPU flags run, or None."""
+    if not directory:
+        return None
+    for level in cpu_levels(flags):
+        path = Path(directory) / f"{ext.name}-{level}.so"
+        if path.is_file():
+            return path
+    return None
+
+
+def _import_prebuilt(ext: Extension, path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(ext.name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _jit(ext: Extension, cflags: list[str], build_directory: str | None = None) -> Any:
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(
+        name=ext.name,
+        cpp_sources=[ext.source],
+        functions=list(ext.functions),
+        # -fopenmp: without it ATen's headers compile at::parallel_for as a plain serial loop. The
+        # libgomp it links is torch's own at run time (same soname, already loaded by libtorch_cpu).
+        extra_cflags=["-O3", *cflags, "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=build_directory,
+        verbose=False,
+    )
+
+
+def switched_off(ext: Extension, env: Mapping[str, str] | None = None) -> bool:
+    """True where `ext`'s off switch is `torch` (in `env`, by default the process environment)."""
+    return (os.environ if env is None else env).get(ext.switch, "").lower() == "torch"
+
+
+def load(ext: Extension, env: Mapping[str, str] | None = None, flags: set[str] | None = None) -> Any | None:
+    """The library of `ext`: off, prebuilt, JIT-compiled, or None (the torch path); see the module docstring.
+    `env` and `flags` default to this process's environment and CPU. Not cached: each call looks again."""
+    env = os.environ if env is None else env
+    if switched_off(ext, env):
+        log.info("%s off: %s (%s=torch)", ext.what, ext.fallback, ext.switch)
+        return None
+    return _locate(ext, env, cpu_flags() if flags is None else flags)
+
+
+@functools.cache
+def built(ext: Extension) -> Any | None:
+    """The library of `ext` for this process, prebuilt or JIT-compiled at the first call (then cached),
+    whatever its off switch says; None where neither works."""
+    return _locate(ext, os.environ, cpu_flags())
+
+
+def _locate(ext: Extension, env: Mapping[str, str], flags: set[str]) -> Any | None:
+    path = prebuilt_path(ext, env.get(OPS_DIR_ENV), flags)
+    if path is not None:
+        try:
+            mod = _import_prebuilt(ext, path)
+            log.info("%s: prebuilt %s", ext.what, path)
+            return mod
+        except Exception as exc:  # built against another torch, or unreadable: try the JIT build
+            log.warning("%s: prebuilt %s not loaded (%s); compiling it", ext.what, path, exc)
+    try:
+        mod = _jit(ext, ["-march=native"])
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path still works
+        log.warning("%s not built (%s); %s", ext.what, exc, ext.fallback)
+        return None
+    log.info("%s: JIT build %s (-march=native)", ext.what, getattr(mod, "__file__", ext.name))
+    return mod
+
+
+def build_prebuilt(ext: Extension, directory: str | os.PathLike[str], level: str) -> Path:
+    """Compile `ext` for `level` (one of LEVELS) into `directory` as `<name>-<level>.so`."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown level {level!r} (one of {', '.join(LEVELS)})")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        _jit(ext, [f"-march={level}"], build_directory=tmp)
+        target = out / f"{ext.name}-{level}.so"
+        shutil.copy(Path(tmp) / f"{ext.name}.so", target)
+    return target
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {__name__}",
+        description="Build the worker's C++ extensions ahead of time (the worker image's build stage).",
+        epilog=f"Extensions: the EXTENSION of {', '.join(EXTENSION_MODULES)}. At run time the worker loads "
+        f"the best level its CPU runs from ${OPS_DIR_ENV}.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    build = commands.add_parser(
+        "build",
+        help="compile every extension for one x86-64 level into DIR as <name>-<level>.so",
+        description="Compile every extension for LEVEL into DIR as <name>-<level>.so (g++, ninja, torch headers).",
+    )
+    build.add_argument("directory", metavar="DIR", help="where the libraries go (created if missing)")
+    build.add_argument("level", metavar="LEVEL", choices=LEVELS, help=f"one of {', '.join(LEVELS)}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m lorafleet_worker.native_ops build DIR LEVEL`: prints each library's path; 1 if one fails."""
+    args = _parser().parse_args(argv)
+    for ext in extensions():
+        try:
+            print(build_prebuilt(ext, args.directory, args.level), flush=True)
+        except Exception as exc:
+            print(f"{ext.name} ({ext.what}) not built for {args.level}: {exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    # Run as the package's module, not as __main__: the extension modules import that one.
+    from lorafleet_worker.native_ops import main as _main
+
+    sys.exit(_main())
+
+
+__all__ = [
+    "EXTENSION_MODULES",
+    "LEVELS",
+    "OPS_DIR_ENV",
+    "Extension",
+    "build_prebuilt",
+    "built",
+    "cpu_flags",
+    "cpu_levels",
+    "extensions",
+    "load",
+    "main",
+    "prebuilt_path",
+    "switched_off",
+]
