@@ -156,3 +156,51 @@ def test_event_poster_bounds_what_waits_and_counts_drops() -> None:
     poster.post({"name": "m0", "namespace": "ns", "uid": "u0"}, "Normal", "Loaded", "again")  # joins, not dropped
     assert [k[0] for k in poster.pending] == ["u0", "u1", "u2"]
     assert poster.dropped == 2 and poster.pending[("u0", "Normal", "Loaded")].count == 2
+
+
+async def test_informer_waits_for_a_resource_that_does_not_exist_yet(caplog: pytest.LogCaptureFixture) -> None:
+    """A list answering 404 (the CRD is not installed) is retried, warned about once, and the objects are
+    reported as soon as the resource exists: a CRD installed after the operator needs no restart."""
+    answers = [404, 404, 200]
+    lists: list[int] = []
+    stop = asyncio.Event()
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        if request.query.get("watch") == "true":
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            await stop.wait()  # a watch that stays open until the test ends
+            return resp
+        status = answers.pop(0) if answers else 200
+        lists.append(status)
+        if status == 404:
+            return web.json_response(
+                {"kind": "Status", "code": 404, "message": "the server could not find"}, status=404
+            )
+        return web.json_response({"items": [pod("m", 5)], "metadata": {"resourceVersion": "5"}})
+
+    app = web.Application()
+    app.add_routes([web.get("/apis/nvidia.com/v1alpha1/dynamomodels", models)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    kube = KubeClient(f"http://127.0.0.1:{runner.addresses[0][1]}", False, lambda: "Bearer t0ken")
+    seen: list[tuple[str, str]] = []
+    informer = Informer(
+        kube, "/apis/nvidia.com/v1alpha1/dynamomodels", lambda t, o: seen.append((t, o["metadata"]["name"]))
+    )
+    task = asyncio.create_task(informer.run())
+    try:
+        with caplog.at_level("WARNING", logger="lorafleet_operator.kube"):
+            await asyncio.wait_for(informer.synced.wait(), 10)
+        assert lists == [404, 404, 200]
+        assert seen == [("MODIFIED", "m")]
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len([w for w in warnings if "CRD installed" in w]) == 1, warnings
+        assert any("exists now" in w for w in warnings), warnings
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        stop.set()
+        await kube.close()
+        await runner.cleanup()

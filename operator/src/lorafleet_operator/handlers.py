@@ -485,8 +485,8 @@ async def _configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any)
     # No cluster scanning: kopf would list/watch Namespaces and CRDs (cluster-scoped reads that the
     # least-privilege RBAC does not grant) and retry each 403 with backoff for ~54 s before
     # starting any watch, so the first DynamoModel after an install waited a minute. The watched
-    # namespaces are explicit and the CRD is installed before the operator (Helm's crds/), so a
-    # static setup loses nothing; a CRD installed after the operator needs an operator restart.
+    # namespaces are explicit and the DynamoModel watch is our own informer (kube.Informer), which
+    # lists again after a 404, so a static setup loses nothing: a CRD installed later is picked up.
     settings.scanning.disabled = True
     # Server-side label selectors: the API server sends only worker pods and our sync Jobs (the
     # handlers' `labels=` filters alone would filter every pod of the namespace client-side).

@@ -217,9 +217,13 @@ class Informer:
 
     async def run(self) -> None:
         backoff = 0.5
+        missing = False  # the last list answered 404: the resource (its CRD) does not exist (yet)
         while True:
             try:
                 items, version = await self._list()
+                if missing:
+                    log.warning("%s exists now: watching it", self.path)
+                    missing = False
                 seen = {(i.get("metadata") or {}).get("uid") for i in items}
                 for uid in [u for u in self._known if u not in seen]:
                     await self._emit("DELETED", self._known[uid])
@@ -237,8 +241,14 @@ class Informer:
                             await self._emit(str(event.get("type")), obj)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # relist after any failure (410 Gone, connection loss)
-                log.info("watch of %s restarts: %s", self.path, e)
+            except Exception as e:  # relist after any failure (410 Gone, connection loss, no such resource)
+                if isinstance(e, KubeError) and e.status == 404:
+                    if not missing:  # once per outage: a CRD installed after the operator is picked up here
+                        log.warning("%s: not found (is its CRD installed?); listing again every %.0f s at most",
+                                    self.path, 10.0)  # fmt: skip
+                    missing = True
+                else:
+                    log.info("watch of %s restarts: %s", self.path, e)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
 
