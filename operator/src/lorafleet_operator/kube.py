@@ -169,6 +169,9 @@ def collection_path(group: str, version: str, plural: str, namespace: str | None
 EventHandler = Callable[[str, dict[str, Any]], Awaitable[None] | None]
 
 
+MAX_BACKOFF_S = 10.0  # an informer lists again at least this often while its list or watch keeps failing
+
+
 class Informer:
     """List, then watch, forever; calls ``handler(type, object)`` for each change.
 
@@ -216,7 +219,7 @@ class Informer:
             params = {**params, "continue": meta["continue"]}
 
     async def run(self) -> None:
-        backoff = 0.5
+        backoff = 0.5  # doubled after each failure, up to MAX_BACKOFF_S
         missing = False  # the last list answered 404: the resource (its CRD) does not exist (yet)
         while True:
             try:
@@ -245,12 +248,12 @@ class Informer:
                 if isinstance(e, KubeError) and e.status == 404:
                     if not missing:  # once per outage: a CRD installed after the operator is picked up here
                         log.warning("%s: not found (is its CRD installed?); listing again every %.0f s at most",
-                                    self.path, 10.0)  # fmt: skip
+                                    self.path, MAX_BACKOFF_S)  # fmt: skip
                     missing = True
                 else:
                     log.info("watch of %s restarts: %s", self.path, e)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
 
 
 class EventPoster:

@@ -36,7 +36,7 @@ from lorafleet_worker.memory import (
     weight_bytes,
 )
 from lorafleet_worker.model import LoRAContext, Transformer, cpu_attention, cpu_linear, parse_dtype
-from lorafleet_worker.omp_threads import run_in_fresh_thread, serial, size_team
+from lorafleet_worker.omp_threads import on_fresh_thread, serial, size_team
 from lorafleet_worker.sampling import SamplingParams, TokenOutput, make_generator, prompt_logprobs, sample
 from lorafleet_worker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan
 
@@ -113,6 +113,9 @@ class _Request:
 
 
 class Engine:
+    # every torch op of the setup runs on a thread that ends with it, so that its OpenMP pool does not outlive
+    # it and throttle the step loop's (omp_threads.py)
+    @on_fresh_thread
     def __init__(
         self,
         model_dir: Path,
@@ -134,47 +137,6 @@ class Engine:
     ) -> None:
         """`dtype` / `lora_backend` "auto": see devices.py; `memory_budget` (a fraction or a size, see
         memory.py) sizes the KV cache unless `num_kv_blocks` is given."""
-        # every torch op of the setup runs on a thread that ends with it, so that its OpenMP pool does not
-        # outlive it and throttle the step loop's (omp_threads.py)
-        run_in_fresh_thread(
-            self._setup,
-            model_dir,
-            device=device,
-            dtype=dtype,
-            max_loras=max_loras,
-            max_cpu_loras=max_cpu_loras,
-            max_lora_rank=max_lora_rank,
-            max_adapters=max_adapters,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            lora_backend=lora_backend,
-            memory_budget=memory_budget,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_num_batched_tokens=max_num_batched_tokens,
-            slot_aging_s=slot_aging_s,
-        )
-
-    def _setup(
-        self,
-        model_dir: Path,
-        *,
-        device: str,
-        dtype: str,
-        max_loras: int,
-        max_cpu_loras: int,
-        max_lora_rank: int,
-        max_adapters: int | None,
-        max_num_seqs: int,
-        max_model_len: int | None,
-        lora_backend: str,
-        memory_budget: str | float | None,
-        block_size: int,
-        num_kv_blocks: int | None,
-        max_num_batched_tokens: int | None,
-        slot_aging_s: float,
-    ) -> None:
-        """The body of `__init__`, on its own thread."""
         size_team()
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)

@@ -35,13 +35,14 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+P = ParamSpec("P")
 _OMP_LIBS = ("libgomp", "libiomp5", "libomp")
 
 
@@ -144,6 +145,17 @@ def size_team() -> int:
     return n
 
 
+def on_fresh_thread(fn: Callable[P, T]) -> Callable[P, T]:
+    """`fn` that always runs through `run_in_fresh_thread` (a decorator, for a setup such as `Engine.__init__`;
+    the undecorated function stays `fn.__wrapped__`)."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        return run_in_fresh_thread(fn, *args, **kwargs)
+
+    return run
+
+
 def native_threads() -> int:
     """OS threads of this process that Python did not start (OpenMP workers and the like); -1 if unknown."""
     try:
@@ -155,6 +167,7 @@ def native_threads() -> int:
 __all__ = [
     "cgroup_cpu_limit",
     "native_threads",
+    "on_fresh_thread",
     "run_in_fresh_thread",
     "serial",
     "serial_here",
