@@ -5,11 +5,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Builds and downloads are cached outside the repository, keyed by version.
 export LORAFLEET_CACHE ?= $(HOME)/.cache/lorafleet
+# uv's package cache (downloads and built wheels); `make fresh-check` shares it with an empty LORAFLEET_CACHE.
+export UV_CACHE_DIR ?= $(LORAFLEET_CACHE)/uv
 PYTEST_ARGS ?=
 # Python code that lint/fmt cover.
 PY_DIRS := worker operator jobs devcluster tests bench demo tools
 
-.PHONY: help setup setup-python test test-unit lint lock demo bench fmt clean
+.PHONY: help setup setup-python test test-unit lint lock demo bench fmt clean fresh-check
 
 help:  ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-14s %s\n", $$1, $$2}'
@@ -20,7 +22,7 @@ PY_STAMP := $(VENV)/.lorafleet-setup-$(shell cat constraints.txt locks/dev.txt r
 setup-python: $(PY_STAMP)
 $(PY_STAMP): $(VENV)/bin/uv constraints.txt locks/dev.txt requirements-dev.txt worker/pyproject.toml operator/pyproject.toml jobs/pyproject.toml devcluster/pyproject.toml
 	@echo "==> installing the locked Python dependencies into $(VENV) (torch is ~3 GB on first run)"
-	@UV_CACHE_DIR=$(LORAFLEET_CACHE)/uv $(VENV)/bin/uv pip install --python $(PY) -c constraints.txt -c locks/dev.txt \
+	@$(VENV)/bin/uv pip install --python $(PY) -c constraints.txt -c locks/dev.txt \
 		-e ./jobs -e ./operator -e './worker[dev]' -e ./devcluster -r requirements-dev.txt
 	@rm -f $(VENV)/.lorafleet-setup-*; touch $@
 	@echo "==> Python environment ready"
@@ -33,7 +35,7 @@ $(VENV)/bin/uv: constraints.txt
 
 # locks/*.txt: the whole dependency closure of each image and of the dev venv, with hashes (tools/lock.py).
 lock: $(VENV)/bin/uv  ## regenerate locks/ after changing constraints.txt, requirements-dev.txt or a pyproject's dependencies
-	UV=$(VENV)/bin/uv UV_CACHE_DIR=$(LORAFLEET_CACHE)/uv $(VENV)/bin/python tools/lock.py
+	UV=$(VENV)/bin/uv $(VENV)/bin/python tools/lock.py
 
 setup: setup-python  ## install everything (Python deps, Go-built tools); cached, a second run does nothing
 
@@ -54,6 +56,10 @@ lint: setup-python  ## ruff and mypy
 fmt: setup-python  ## format the code
 	$(VENV)/bin/ruff format $(PY_DIRS)
 	$(VENV)/bin/ruff check --fix $(PY_DIRS)
+
+# A new user's first hour: the README's two commands on a clean clone with an empty LORAFLEET_CACHE (tools/fresh-check.sh).
+fresh-check:  ## make demo + make test on a clean clone of HEAD with an empty cache (~1 h on 2 cores; run before changing setup)
+	@tools/fresh-check.sh
 
 clean:  ## remove the venv and build outputs (the cache outside the repo stays)
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

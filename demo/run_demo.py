@@ -5,7 +5,9 @@ three LoRA adapters, installs the chart (operator, router, MinIO, two CPU worker
 the same tiny model), uploads adapters to the chart's MinIO, serves one through a local
 Hugging Face endpoint (synced by the operator's Job), applies the example DynamoModels (one of
 them NVIDIA Dynamo's manifest, verbatim), waits for Ready, and asks every adapter through the
-router. Beside it, a worker group serves the real model (SmolLM2-135M-Instruct, `demo.real_model`)
+router. The tiny models have random weights, so their text is noise: for them the demo shows what a
+person can check (Ready, where each adapter is placed, that an answer streamed through the router, and
+its speed). Beside them, a worker group serves the real model (SmolLM2-135M-Instruct, `demo.real_model`)
 with four adapters trained on this machine (`demo.train_adapters`), and the demo prints the answers
 of the base model and of each adapter to the same questions side by side (`demo.real_fleet`).
 `DEMO_KEEP=1` keeps everything running and prints how to reach it.
@@ -25,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +39,7 @@ MODELS = {
     "sql-lora": ("sql-adapter", "s3://lorafleet/loras/sql-lora"),
     "support-lora": ("support-adapter", "hf://lorafleet-demo/support-lora@main"),  # examples/hf-lora.yaml
 }
-PROMPTS = ("The fleet", "Once upon a time")
+PROBE_TOKENS = 32  # streamed through the router per tiny model (ignore_eos: always this many)
 _T0 = time.monotonic()
 
 
@@ -94,6 +97,61 @@ def adapters_and_hub(workdir: Path) -> Iterator[tuple[dict[str, Path], str]]:
         yield dirs, hub.url
 
 
+@dataclass
+class StreamProbe:
+    """One completion streamed through the router with the `openai` client."""
+
+    tokens: int  # completion tokens, as the final usage chunk reports them
+    chunks: int  # streamed chunks that carried text
+    ttft_s: float
+    decode_tok_s: float  # tokens after the first, per second
+    finish_reason: str | None
+
+
+def stream_probe(router: str, model: str, max_tokens: int = PROBE_TOKENS) -> StreamProbe:
+    """Stream `max_tokens` tokens of `model` through the router and time them."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{router}/v1", api_key="demo", max_retries=0, timeout=120)
+    t0 = time.monotonic()
+    first = last = t0
+    chunks, tokens, finish = 0, 0, None
+    stream = client.completions.create(
+        model=model, prompt="The fleet", max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for chunk in stream:
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            if choice.text:
+                last = time.monotonic()
+                first = first if chunks else last
+                chunks += 1
+            finish = choice.finish_reason or finish
+    decode_s = last - first
+    return StreamProbe(tokens, chunks, first - t0, (tokens - 1) / decode_s if decode_s > 0 else 0.0, finish)
+
+
+def show_tiny_models(router: str, holders: dict[str, str]) -> None:
+    """Per tiny model: the pods that hold it and one answer streamed through the router, timed."""
+    print(
+        "\n  The tiny models have random weights, so their text is noise and is not shown. What can be\n"
+        f"  checked: where each one is served, and that {PROBE_TOKENS} tokens stream back through the router.\n"
+        f"\n  {'model':<18} {'served by':<44} {'streamed':<22} {'TTFT':>7} {'tok/s':>7}",
+        flush=True,
+    )
+    for model, pods in holders.items():
+        probe = stream_probe(router, model)
+        streamed = f"{probe.tokens} tokens, {probe.chunks} chunks"
+        ok = probe.tokens == PROBE_TOKENS and probe.finish_reason == "length"
+        print(
+            f"  {model:<18} {pods:<44} {streamed:<22} {probe.ttft_s * 1000:5.0f} ms {probe.decode_tok_s:7.1f}"
+            + ("" if ok else f"  UNEXPECTED (finish_reason {probe.finish_reason})"),
+            flush=True,
+        )
+
+
 def wait_for_interrupt(namespace: str, router: str, kubeconfig: Path) -> None:
     from lorafleet_devcluster.cluster import tool_path
 
@@ -145,18 +203,23 @@ def run() -> int:
                     say(f"kubectl apply -f examples/{example}")
                     release.apply(EXAMPLES / example)
                 real_fleet.deploy_adapters(release, real_adapters, say)
-                for name in MODELS:
+                base_pods = sorted(
+                    p["metadata"]["name"]
+                    for p in release.pods("worker")
+                    if p["metadata"]["labels"].get("lorafleet.dev/worker-group") == "qwen"
+                )
+                holders = {BASE_MODEL: ", ".join(base_pods) + " (base)"}
+                for name, (model_name, _) in MODELS.items():
                     dm = release.wait_ready(name, timeout=300)
                     pods = ", ".join(e["podName"] for e in dm["status"]["endpoints"])
+                    holders[model_name] = pods
                     say(f"DynamoModel {name} Ready on {pods}")
                 print("\n$ kubectl get dm\n" + release.table(), flush=True)
                 names = {BASE_MODEL, *(m for m, _ in MODELS.values())}
                 wait_for(lambda: names <= release.models(), 60, "the router to list every model")
                 router = release.router_url()
-                say(f"asking every model through the router Service ({router})")
-                for model in (BASE_MODEL, *(m for m, _ in MODELS.values())):
-                    for prompt in PROMPTS:
-                        print(f"  {model:<18} {prompt!r:>20} -> {release.complete(model, prompt, 12)!r}", flush=True)
+                say(f"streaming from every tiny model through the router Service ({router})")
+                show_tiny_models(router, holders)
                 real_fleet.show(release, real_adapters, say)
                 if keep:
                     wait_for_interrupt(release.namespace, router, cluster.kubeconfig)

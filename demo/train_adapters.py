@@ -9,8 +9,9 @@ own rank and target modules, so the demo and the benchmarks serve adapters of di
   sql      rank 12, gate/up/down_proj
 
 The loss is on the answer tokens only (the chat prompt is the model's own template). The adapters go
-to `$LORAFLEET_CACHE/adapters/<model key>-<hash of this file and the data module>/<style>/`, so a
-machine trains them once, and again only when the recipe or the data changes.
+to `$LORAFLEET_CACHE/adapters/smollm2-<digest of the model's files>-<hash of this file and the data
+module>/<style>/`, so a machine trains them once, and again only when the model's weights, the recipe
+or the data change (not when only the model's preparation check does).
 
     python -m demo.train_adapters          # train what is missing, print the directory
 """
@@ -22,12 +23,13 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from demo import adapter_data
-from demo.real_model import MODEL_KEY, READY, cache_root, log, prepare_model
+from demo.real_model import READY, cache_root, log, prepare_model, ready_content_digest
 
 
 @dataclass(frozen=True)
@@ -49,31 +51,33 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
-def recipe_key() -> str:
-    """Changes whenever this file or the data generator changes (so the cache is retrained)."""
-    digest = hashlib.sha256()
+def recipe_key(recipes: Mapping[str, Recipe] = RECIPES) -> str:
+    """Changes whenever this file, the data generator or the recipes change (so the cache is retrained)."""
+    digest = hashlib.sha256(repr(sorted(recipes.items())).encode())
     for module in (__file__, adapter_data.__file__):
         digest.update(Path(module).read_bytes())
     return digest.hexdigest()[:12]
 
 
-def adapters_dir() -> Path:
-    return cache_root() / "adapters" / f"{MODEL_KEY}-{recipe_key()}"
+def adapters_dir(recipes: Mapping[str, Recipe] = RECIPES) -> Path:
+    """Where the adapters for the prepared model and these recipes live (prepares the model if needed)."""
+    model = ready_content_digest(prepare_model())[:12]
+    return cache_root() / "adapters" / f"smollm2-{model}-{recipe_key(recipes)}"
 
 
-def trained_adapters() -> dict[str, Path]:
+def trained_adapters(recipes: Mapping[str, Recipe] = RECIPES) -> dict[str, Path]:
     """style -> adapter directory for every style, training the missing ones (minutes each on a CPU)."""
-    root = adapters_dir()
+    base = prepare_model()
+    root = adapters_dir(recipes)
     missing = [s for s in adapter_data.STYLES if not (root / s / READY).is_file()]
     if missing:
-        base = prepare_model()
         log(f"training LoRA adapters {', '.join(missing)} on {base.name} (once per machine) into {root}")
         for style in missing:
             out = root / style
             tmp = out.with_name(style + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             t0 = time.monotonic()
-            losses = train_adapter(base, style, RECIPES[style], tmp)
+            losses = train_adapter(base, style, recipes[style], tmp)
             (tmp / READY).write_text(json.dumps({"losses": losses}) + "\n")
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)

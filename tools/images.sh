@@ -46,8 +46,8 @@ if [ -z "${UV_DEFAULT_INDEX:-}${UV_INDEX_URL:-}${PIP_INDEX_URL:-}" ] && command 
 fi
 engine_args=(--network host)
 if [ "$engine" = podman ]; then
-  mkdir -p "$LORAFLEET_CACHE/uv"
-  engine_args+=(--layers -v "$LORAFLEET_CACHE/uv:/var/cache/lorafleet-uv" --build-arg UV_CACHE_DIR=/var/cache/lorafleet-uv)
+  mkdir -p "${UV_CACHE_DIR:-$LORAFLEET_CACHE/uv}"
+  engine_args+=(--layers -v "${UV_CACHE_DIR:-$LORAFLEET_CACHE/uv}:/var/cache/lorafleet-uv" --build-arg UV_CACHE_DIR=/var/cache/lorafleet-uv)
 else
   export DOCKER_BUILDKIT=1
 fi
