@@ -61,7 +61,9 @@ class EngineStats:
     requests_aborted: int = 0
     preemptions: int = 0
     kv_blocks_total: int = 0
-    kv_blocks_free: int = 0
+    kv_blocks_free: int = 0  # cached blocks that no request holds count as free (vLLM's meaning)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found there
     running_adapters: tuple[str, ...] = ()  # adapters of the running / waiting requests (vLLM's LoRA info)
     waiting_adapters: tuple[str, ...] = ()
     updated_at: float = 0.0  # wall-clock time of the last update
@@ -134,9 +136,10 @@ class Engine:
         num_kv_blocks: int | None = None,
         max_num_batched_tokens: int | None = None,
         slot_aging_s: float = 1.0,
+        enable_prefix_caching: bool = True,
     ) -> None:
         """`dtype` / `lora_backend` "auto": see devices.py; `memory_budget` (a fraction or a size, see
-        memory.py) sizes the KV cache unless `num_kv_blocks` is given."""
+        memory.py) sizes the KV cache unless `num_kv_blocks` is given; `enable_prefix_caching`: see scheduler.py."""
         size_team()
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
@@ -199,9 +202,10 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             max_loras=max_loras,
             slot_aging_s=slot_aging_s,
+            enable_prefix_caching=enable_prefix_caching,
+            eos_token_ids=self.config.eos_token_ids,
         )
         self.stats = EngineStats(kv_blocks_total=num_kv_blocks, kv_blocks_free=num_kv_blocks)
-        self._eos = frozenset(self.config.eos_token_ids)
         self._requests: dict[str, _Request] = {}  # event-loop thread only
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
@@ -393,8 +397,8 @@ class Engine:
                 log.exception("engine scheduling failed")
                 self._fail([*sched.running, *sched.waiting], exc)
                 continue
-            if sched.failed:
-                failed, sched.failed = sched.failed, []
+            failed = sched.take_failed()
+            if failed:
                 self._deliver([(seq.request_id, exc) for seq, exc in failed])
             if not plan.chunks:
                 self._update_queue_stats()
@@ -431,30 +435,20 @@ class Engine:
             self.config.eos_token_ids,
         )
 
+        update = self.scheduler.update(plan, {s: pick.token_id for s, pick in zip(seqs, picks, strict=True)})
         st = self.stats
         st.steps += 1
         st.max_adapters_in_step = max(st.max_adapters_in_step, len(plan.slots))
         st.max_seqs_in_step = max(st.max_seqs_in_step, len(plan.chunks))
-        for c in plan.chunks:
-            if c.seq.num_computed < c.seq.num_prompt:
-                st.prompt_tokens += min(c.num_tokens, c.seq.num_prompt - c.seq.num_computed)
-            c.seq.num_computed += c.num_tokens
+        st.prompt_tokens += update.prompt_tokens
+        st.requests_finished += len(update.finished)
+        st.generation_tokens += len(seqs)
         out: list[tuple[str, TokenOutput | BaseException]] = []
         for seq in prefill_only:  # max_tokens=0: the prompt is scored, nothing is generated
-            self.scheduler.finish(seq, "length")
-            st.requests_finished += 1
             out.append((seq.request_id, TokenOutput(-1, 0.0, None, "length", self._prompt_logprobs_of(seq))))
-        for c, pick in zip(sampled_chunks, picks, strict=True):
-            seq = c.seq
-            first = seq.num_output == 0
-            seq.tokens.append(pick.token_id)
-            st.generation_tokens += 1
-            reason = self._finish_reason(seq, pick.token_id)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                st.requests_finished += 1
-            token = TokenOutput(pick.token_id, pick.logprob, pick.top_logprobs, reason)
-            if first:
+        for seq, pick in zip(seqs, picks, strict=True):
+            token = TokenOutput(pick.token_id, pick.logprob, pick.top_logprobs, update.finished.get(seq))
+            if seq.num_output == 1:
                 token.prompt_logprobs = self._prompt_logprobs_of(seq)
             out.append((seq.request_id, token))
         self._update_queue_stats()
@@ -482,14 +476,6 @@ class Engine:
     @staticmethod
     def _prompt_logprobs_of(seq: Sequence) -> list[tuple[float, dict[int, float]]] | None:
         return None if seq.params.prompt_logprobs is None else list(seq.prompt_logprobs)
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos):
-            return "stop"
-        if len(seq.tokens) >= seq.max_len:
-            return "length"
-        return None
 
     def _apply_aborts(self, request_ids: set[str]) -> None:
         live = {s.request_id: s for s in [*self.scheduler.running, *self.scheduler.waiting]}
@@ -533,7 +519,9 @@ class Engine:
         st.num_waiting = len(sched.waiting)
         st.num_waiting_for_slot = sched.num_waiting_for_slot
         st.preemptions = sched.num_preemptions
-        st.kv_blocks_free = self.kv.allocator.num_free
+        st.kv_blocks_free = sched.num_free_blocks
+        st.prefix_cache_queries = sched.prefix_cache_queries
+        st.prefix_cache_hits = sched.prefix_cache_hits
         st.running_adapters = tuple(dict.fromkeys(s.adapter for s in sched.running if s.adapter))
         st.waiting_adapters = tuple(dict.fromkeys(s.adapter for s in sched.waiting if s.adapter))
         st.updated_at = time.time()
