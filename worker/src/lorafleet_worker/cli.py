@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-model-len", metavar="N", type=_positive, help="context length (default: the model's)")
     serve.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of full blocks of earlier prompts, per adapter version (default on)",
+    )
+    serve.add_argument(
         "--lora-backend",
         default="auto",
         choices=["auto", "torch", "triton"],
@@ -213,6 +219,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_loaded_loras=args.max_loaded_loras,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
         lora_backend=args.lora_backend,
         lora_cache_dir=args.lora_cache_dir,
         admin_token=_admin_token(args.admin_token_file),
