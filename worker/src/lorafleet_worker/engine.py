@@ -24,6 +24,7 @@ from lorafleet_worker.batch_builder import build_forward_batch
 from lorafleet_worker.config import ModelConfig
 from lorafleet_worker.devices import resolve_dtype, resolve_lora_backend
 from lorafleet_worker.kv_cache import PagedKVCache
+from lorafleet_worker.kv_events import KVEventsConfig, KVEventStream
 from lorafleet_worker.lora.backend import LoRABackend, get_backend
 from lorafleet_worker.lora.errors import AdapterNotFoundError, CapacityError
 from lorafleet_worker.lora.manager import AdapterManager
@@ -137,9 +138,11 @@ class Engine:
         max_num_batched_tokens: int | None = None,
         slot_aging_s: float = 1.0,
         enable_prefix_caching: bool = True,
+        kv_events: KVEventsConfig | None = None,
     ) -> None:
         """`dtype` / `lora_backend` "auto": see devices.py; `memory_budget` (a fraction or a size, see
-        memory.py) sizes the KV cache unless `num_kv_blocks` is given; `enable_prefix_caching`: see scheduler.py."""
+        memory.py) sizes the KV cache unless `num_kv_blocks` is given; `enable_prefix_caching`: see scheduler.py;
+        `kv_events`: publish the prefix cache's KV events (kv_events.py)."""
         size_team()
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
@@ -206,6 +209,9 @@ class Engine:
             eos_token_ids=self.config.eos_token_ids,
         )
         self.stats = EngineStats(kv_blocks_total=num_kv_blocks, kv_blocks_free=num_kv_blocks)
+        self._kv_events = KVEventStream(kv_events, block_size) if kv_events is not None and kv_events.active else None
+        if self._kv_events is not None:
+            self.kv.pool.on_event = self._kv_events.record
         self._requests: dict[str, _Request] = {}  # event-loop thread only
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
@@ -411,6 +417,8 @@ class Engine:
             except Exception as exc:  # a failing step ends its requests, never the engine
                 log.exception("engine step failed")
                 self._fail([c.seq for c in plan.chunks], exc)
+            if self._kv_events is not None:
+                self._kv_events.flush()
         self._shutdown()
 
     def _step(self, plan: StepPlan) -> None:
@@ -512,6 +520,9 @@ class Engine:
                 self.manager.release(seq.ref)
         self._deliver([(s.request_id, TokenOutput(-1, 0.0, None, "abort")) for s in [*live, *inbox]])
         self._update_queue_stats()
+        if self._kv_events is not None:
+            self._kv_events.close()
+            self._kv_events = None
 
     def _update_queue_stats(self) -> None:
         st, sched = self.stats, self.scheduler
