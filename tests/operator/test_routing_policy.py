@@ -44,11 +44,11 @@ def test_the_load_bound_overrides_affinity_and_short_prompts_go_to_the_least_loa
     policy = CacheAware(chunk_chars=16, balance=1.25)
     home = policy.choose(PODS, {}, Route("m", SYSTEM))
     others = [p for p in PODS if p != home]
-    busy = {home: 4, others[0]: 1, others[1]: 1}  # mean 2: 4 + 1 > 1.25 * (6 + 1) / 3
-    assert policy.choose(PODS, busy, Route("m", SYSTEM)) in others
     fair = {home: 2, others[0]: 2, others[1]: 1}
     assert policy.choose(PODS, fair, Route("m", SYSTEM)) == home  # within the bound: affinity wins
     assert policy.choose(PODS, fair, Route("m", "hi")) == others[1]  # shorter than a chunk
+    busy = {home: 4, others[0]: 1, others[1]: 1}  # 4 + 1 > ceil(1.25 * (6 + 1) / 3)
+    assert policy.choose(PODS, busy, Route("m", SYSTEM)) in others
 
 
 def test_little_overlap_and_forgotten_prefixes_fall_back_to_fewest_in_flight() -> None:
@@ -57,8 +57,8 @@ def test_little_overlap_and_forgotten_prefixes_fall_back_to_fewest_in_flight() -
     loads = {p: 0 if p != home else 1 for p in PODS}
     unrelated = "x" * 16 * 20
     assert policy.choose(PODS, loads, Route("m", SYSTEM[:32] + unrelated)) != home  # 2 of 22 chunks matched
-    for i in range(3):  # fill every pod's memory with other prompts: SYSTEM's chunks are forgotten
-        policy.choose(PODS, {}, Route("m", f"{i}" * 16 * 40))
+    idle_home = {p: 0 if p == home else 5 for p in PODS}
+    assert policy.choose(PODS, idle_home, Route("m", "z" * 16 * 40)) == home  # 40 new chunks: SYSTEM's forgotten
     assert policy.matched(home, policy.chunk_names(Route("m", SYSTEM))) == 0
 
 
