@@ -1,12 +1,15 @@
 # Benchmarks (issue 8): they report, they never fail CI. Results go to bench/*.json, bench/REPORT.md, PNGs.
 # LORAFLEET_BENCH_SMOKE=1 runs any of them on a ~1M-parameter model and writes to bench/smoke/ instead.
 # BENCH_ENGINE_ARGS narrows the engine run, e.g. BENCH_ENGINE_ARGS="--concurrency 1 8 32 --scenarios base mixed16".
-.PHONY: bench bench-engine bench-dtype bench-loading bench-placement bench-operator bench-report bench-profile bench-micro bench-smoke
+.PHONY: bench bench-prefix bench-engine bench-dtype bench-loading bench-placement bench-operator bench-report bench-profile bench-micro bench-smoke
 
 BENCH_ENGINE_ARGS ?=
 BENCH_PROFILE_ARGS ?= --scenario mixed16 --concurrency 32
 
-bench: setup bench-placement bench-loading bench-micro bench-engine bench-dtype bench-operator bench-report  ## run every benchmark, write bench/REPORT.md
+bench: setup bench-placement bench-loading bench-micro bench-engine bench-dtype bench-operator bench-prefix bench-report  ## run every benchmark, write bench/REPORT.md
+
+bench-prefix: setup-python  ## prefix caching on/off (multi-turn chat, 16 adapters) and cache-aware vs fewest-in-flight routing
+	$(PY) bench/bench_prefix.py
 
 bench-engine: setup-python  ## lorafleet vs transformers+PEFT (concurrency 1/8/32/64), random + real model, roofline
 	$(PY) bench/bench_engine.py $(BENCH_ENGINE_ARGS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lorafleet_worker.config import ModelConfig
-from lorafleet_worker.kv_cache import BlockAllocator, PagedKVCache, block_table_tensor
+from lorafleet_worker.kv_cache import BlockPool, PagedKVCache, block_table_tensor
 
 CONFIG = ModelConfig.from_dict(
     {
@@ -21,22 +21,22 @@ CONFIG = ModelConfig.from_dict(
 
 
 def test_allocator_is_all_or_nothing_and_reuses_freed_blocks() -> None:
-    alloc = BlockAllocator(4)
+    alloc = BlockPool(4)
     a = alloc.allocate(3)
     assert a is not None and len(set(a)) == 3 and alloc.num_free == 1
     assert alloc.allocate(2) is None and alloc.num_free == 1  # nothing taken on failure
-    alloc.free(a)
+    alloc.release(a)
     b = alloc.allocate(4)
     assert b is not None and sorted(b) == [0, 1, 2, 3] and alloc.num_free == 0
 
 
 def test_allocator_rejects_double_free() -> None:
-    alloc = BlockAllocator(2)
+    alloc = BlockPool(2)
     blocks = alloc.allocate(1)
     assert blocks is not None
-    alloc.free(blocks)
+    alloc.release(blocks)
     with pytest.raises(RuntimeError, match="freed twice"):
-        alloc.free(blocks)
+        alloc.release(blocks)
 
 
 def test_cache_layout_and_grow_release() -> None:
@@ -49,9 +49,9 @@ def test_cache_layout_and_grow_release() -> None:
     assert kv.grow(blocks, 5) and len(blocks) == 2
     other: list[int] = []
     assert not kv.grow(other, 13) and other == []  # needs 4 blocks, 3 free: unchanged
-    assert kv.grow(other, 12) and kv.allocator.num_free == 0
+    assert kv.grow(other, 12) and kv.pool.num_free == 0
     kv.release(blocks)
-    assert blocks == [] and kv.allocator.num_free == 2
+    assert blocks == [] and kv.pool.num_free == 2
 
 
 def test_pool_is_not_filled_up_front_but_handed_out_blocks_are_zeroed() -> None:

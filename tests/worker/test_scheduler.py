@@ -167,10 +167,10 @@ def test_finish_releases_blocks_and_adapter_refs(config: ModelConfig, manager: A
     s = seq("a", 9, manager, "a")
     sched.add(s)
     advance(sched.schedule())
-    assert sched.kv.allocator.num_free == 64 - 3 and manager.stats["slots_pinned"] == 1
+    assert sched.kv.pool.num_free == 64 - 3 and manager.stats["slots_pinned"] == 1
     sched.finish(s, "abort")
     sched.finish(s, "abort")  # idempotent
-    assert sched.kv.allocator.num_free == 64 and manager.stats["slots_pinned"] == 0
+    assert sched.kv.pool.num_free == 64 and manager.stats["slots_pinned"] == 0
     assert s.status is SeqStatus.FINISHED and s.finish_reason == "abort" and not sched.has_work()
 
 

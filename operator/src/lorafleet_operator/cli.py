@@ -21,6 +21,9 @@ ROUTER_FLAGS = (
     "router_timeout",
     "bind_host",
     "router_unavailable_wait",
+    "router_policy",
+    "router_balance",
+    "router_min_match",
     "demand_window",
 )
 

@@ -3,8 +3,9 @@
 Routing table (kept current by two list+watch ``Informer`` s, no kopf: the router is a plain
 aiohttp process that can run several replicas):
 - a LoRA DynamoModel's ``modelName`` -> the inference ports of its ``status.endpoints`` with
-  ``ready: true`` whose pods are Ready; the request goes to the one with the fewest in-flight
-  requests through this router (ties broken at random);
+  ``ready: true`` whose pods are Ready; the routing policy (routing_policy.py) picks one: by default
+  the one most likely to hold the prompt's prefix in its KV cache within a load bound, else the one
+  with the fewest in-flight requests through this router;
 - any other name -> Ready pods labelled ``nvidia.com/dynamo-base-model-hash`` = sha256(name)[:8]
   (base models; known base names come from DynamoModels' ``baseModelName`` / base entries).
 
@@ -17,9 +18,9 @@ with a ready endpoint. Unknown model -> 404 in OpenAI's error shape.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
-import random
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -35,11 +36,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from lorafleet_operator import metrics
 from lorafleet_operator.demand import DemandTracker
 from lorafleet_operator.resources import Model, Pod
+from lorafleet_operator.routing_policy import CacheAware, Route, RoutingPolicy, make_policy, route_of
 from lorafleet_operator.settings import Settings
 
 log = logging.getLogger(__name__)
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
 RETRY_STATUS = {404, 503}
+_ROUTE: contextvars.ContextVar[Route | None] = contextvars.ContextVar("route", default=None)  # the request's
 
 
 @dataclass
@@ -50,13 +53,19 @@ class RoutingTable:
     models: dict[tuple[str, str], Model] = field(default_factory=dict)
     pods: dict[tuple[str, str], Pod] = field(default_factory=dict)
     created: dict[str, int] = field(default_factory=dict)
+    by_name: dict[str, dict[tuple[str, str], Model]] = field(default_factory=dict)  # modelName -> its models
 
     def on_model(self, kind: str, body: Mapping[str, Any]) -> None:
         model = Model.from_body(body)
-        if kind == "DELETED":
-            self.models.pop(model.key, None)
-        else:
+        old = self.models.pop(model.key, None)
+        if old is not None:
+            named = self.by_name.get(old.model_name, {})
+            named.pop(old.key, None)
+            if not named:
+                self.by_name.pop(old.model_name, None)
+        if kind != "DELETED":
             self.models[model.key] = model
+            self.by_name.setdefault(model.model_name, {})[model.key] = model
             self.created.setdefault(model.model_name, int(time.time()))
 
     def on_pod(self, kind: str, body: Mapping[str, Any]) -> None:
@@ -71,7 +80,7 @@ class RoutingTable:
 
     def adapter(self, name: str) -> Model | None:
         """The DynamoModel serving adapter ``name``: its owner, the oldest claiming it (as the operator decides)."""
-        candidates = [m for m in self.models.values() if m.is_lora and m.model_name == name and not m.deleting]
+        candidates = [m for m in self.by_name.get(name, {}).values() if m.is_lora and not m.deleting]
         return min(candidates, key=lambda m: m.seniority, default=None)
 
     def adapter_endpoints(self, model: Model) -> list[str]:
@@ -106,8 +115,8 @@ class RoutingTable:
         if model is not None:
             endpoints = self.adapter_endpoints(model)
             if not endpoints:  # a name being handed over: the deleted owner serves until its successor does
-                for other in self.models.values():
-                    if other.deleting and other.is_lora and other.model_name == name:
+                for other in self.by_name.get(name, {}).values():
+                    if other.deleting and other.is_lora:
                         endpoints += self.adapter_endpoints(other)
             return "adapter", endpoints
         endpoints = self.base_endpoints(name)
@@ -137,7 +146,7 @@ def openai_error(status: int, message: str, code: str, err_type: str = "invalid_
 
 
 class Router:
-    """The aiohttp application: proxying with least-in-flight choice and pre-first-byte retries."""
+    """The aiohttp application: proxying with a routing policy's choice and pre-first-byte retries."""
 
     def __init__(
         self,
@@ -145,8 +154,10 @@ class Router:
         timeout: float = 600.0,
         unavailable_wait: float = 30.0,
         demand: DemandTracker | None = None,
+        policy: RoutingPolicy | None = None,
     ) -> None:
         self.table = table
+        self.policy = policy if policy is not None else CacheAware()
         self.timeout = timeout
         self.unavailable_wait = unavailable_wait
         self.demand = demand or DemandTracker()
@@ -196,8 +207,7 @@ class Router:
         left = [e for e in endpoints if e not in tried]
         if not left:
             return None
-        fewest = min(self.inflight[e] for e in left)
-        return random.choice([e for e in left if self.inflight[e] == fewest])
+        return self.policy.choose(left, self.inflight, _ROUTE.get())
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -209,6 +219,7 @@ class Router:
         except (ValueError, KeyError, TypeError):
             metrics.ROUTER_REQUESTS.labels("invalid", "400").inc()
             return openai_error(400, "request body must be JSON with a string 'model'", "invalid_request")
+        _ROUTE.set(route_of(payload) if isinstance(payload, dict) else None)
         resolved = self.table.resolve(name)
         if resolved is None:
             metrics.ROUTER_REQUESTS.labels("unknown", "404").inc()
@@ -321,7 +332,9 @@ async def run_router(settings: Settings) -> None:
         )
     tasks = [asyncio.create_task(i.run()) for i in informers]
     demand = DemandTracker(settings.demand_window)
-    runner = web.AppRunner(Router(table, settings.router_timeout, settings.router_unavailable_wait, demand).app())
+    policy = make_policy(settings.router_policy, balance=settings.router_balance, min_match=settings.router_min_match)
+    router = Router(table, settings.router_timeout, settings.router_unavailable_wait, demand, policy)
+    runner = web.AppRunner(router.app())
     await runner.setup()
     await web.TCPSite(runner, settings.bind_host, settings.router_port).start()
     log.info("router listening on %s:%d", settings.bind_host, settings.router_port)

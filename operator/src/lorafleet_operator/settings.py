@@ -107,6 +107,17 @@ class Settings:
     router_unavailable_wait: float = _opt(
         30.0, "LORAFLEET_ROUTER_UNAVAILABLE_WAIT", "router: seconds a request waits for a holder when none is ready"
     )
+    router_policy: str = _opt(
+        "cache-aware",
+        "LORAFLEET_ROUTER_POLICY",
+        "router: cache-aware (prefix affinity within a load bound) or fewest-in-flight",
+    )
+    router_balance: float = _opt(
+        1.25, "LORAFLEET_ROUTER_BALANCE", "router (cache-aware): most in-flight requests of a pod, times the mean"
+    )
+    router_min_match: float = _opt(
+        0.5, "LORAFLEET_ROUTER_MIN_MATCH", "router (cache-aware): least fraction of a prompt seen on a pod to prefer it"
+    )
     demand_window: float = _opt(
         30.0, "LORAFLEET_DEMAND_WINDOW", "router: seconds over which per-adapter demand (GET /demand) is averaged"
     )

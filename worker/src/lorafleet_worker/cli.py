@@ -10,6 +10,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from lorafleet_worker.kv_events import KVEventsConfig
+
 log = logging.getLogger("lorafleet_worker")
 
 _FALSE = {"0", "false", "no", "off"}
@@ -49,6 +51,13 @@ def _memory_budget(value: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
     return value
+
+
+def _kv_events_config(value: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.parse(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-seqs", metavar="N", type=_positive, help="most requests running at once (engine default)"
     )
     serve.add_argument("--max-model-len", metavar="N", type=_positive, help="context length (default: the model's)")
+    serve.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of full blocks of earlier prompts, per adapter version (default on)",
+    )
+    serve.add_argument(
+        "--kv-events-config",
+        metavar="JSON",
+        type=_kv_events_config,
+        help='publish KV cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
+    )
     serve.add_argument(
         "--lora-backend",
         default="auto",
@@ -213,6 +234,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_loaded_loras=args.max_loaded_loras,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        kv_events=args.kv_events_config,
         lora_backend=args.lora_backend,
         lora_cache_dir=args.lora_cache_dir,
         admin_token=_admin_token(args.admin_token_file),

@@ -24,6 +24,7 @@ from lorafleet_worker.batch_builder import build_forward_batch
 from lorafleet_worker.config import ModelConfig
 from lorafleet_worker.devices import resolve_dtype, resolve_lora_backend
 from lorafleet_worker.kv_cache import PagedKVCache
+from lorafleet_worker.kv_events import KVEventsConfig, KVEventStream
 from lorafleet_worker.lora.backend import LoRABackend, get_backend
 from lorafleet_worker.lora.errors import AdapterNotFoundError, CapacityError
 from lorafleet_worker.lora.manager import AdapterManager
@@ -61,7 +62,9 @@ class EngineStats:
     requests_aborted: int = 0
     preemptions: int = 0
     kv_blocks_total: int = 0
-    kv_blocks_free: int = 0
+    kv_blocks_free: int = 0  # cached blocks that no request holds count as free (vLLM's meaning)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found there
     running_adapters: tuple[str, ...] = ()  # adapters of the running / waiting requests (vLLM's LoRA info)
     waiting_adapters: tuple[str, ...] = ()
     updated_at: float = 0.0  # wall-clock time of the last update
@@ -134,9 +137,12 @@ class Engine:
         num_kv_blocks: int | None = None,
         max_num_batched_tokens: int | None = None,
         slot_aging_s: float = 1.0,
+        enable_prefix_caching: bool = True,
+        kv_events: KVEventsConfig | None = None,
     ) -> None:
         """`dtype` / `lora_backend` "auto": see devices.py; `memory_budget` (a fraction or a size, see
-        memory.py) sizes the KV cache unless `num_kv_blocks` is given."""
+        memory.py) sizes the KV cache unless `num_kv_blocks` is given; `enable_prefix_caching`: see scheduler.py;
+        `kv_events`: publish the prefix cache's KV events (kv_events.py)."""
         size_team()
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
@@ -199,9 +205,13 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             max_loras=max_loras,
             slot_aging_s=slot_aging_s,
+            enable_prefix_caching=enable_prefix_caching,
+            eos_token_ids=self.config.eos_token_ids,
         )
         self.stats = EngineStats(kv_blocks_total=num_kv_blocks, kv_blocks_free=num_kv_blocks)
-        self._eos = frozenset(self.config.eos_token_ids)
+        self._kv_events = KVEventStream(kv_events, block_size) if kv_events is not None and kv_events.active else None
+        if self._kv_events is not None:
+            self.kv.pool.on_event = self._kv_events.record
         self._requests: dict[str, _Request] = {}  # event-loop thread only
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
@@ -393,8 +403,8 @@ class Engine:
                 log.exception("engine scheduling failed")
                 self._fail([*sched.running, *sched.waiting], exc)
                 continue
-            if sched.failed:
-                failed, sched.failed = sched.failed, []
+            failed = sched.take_failed()
+            if failed:
                 self._deliver([(seq.request_id, exc) for seq, exc in failed])
             if not plan.chunks:
                 self._update_queue_stats()
@@ -407,6 +417,8 @@ class Engine:
             except Exception as exc:  # a failing step ends its requests, never the engine
                 log.exception("engine step failed")
                 self._fail([c.seq for c in plan.chunks], exc)
+            if self._kv_events is not None:
+                self._kv_events.flush()
         self._shutdown()
 
     def _step(self, plan: StepPlan) -> None:
@@ -431,30 +443,20 @@ class Engine:
             self.config.eos_token_ids,
         )
 
+        update = self.scheduler.update(plan, {s: pick.token_id for s, pick in zip(seqs, picks, strict=True)})
         st = self.stats
         st.steps += 1
         st.max_adapters_in_step = max(st.max_adapters_in_step, len(plan.slots))
         st.max_seqs_in_step = max(st.max_seqs_in_step, len(plan.chunks))
-        for c in plan.chunks:
-            if c.seq.num_computed < c.seq.num_prompt:
-                st.prompt_tokens += min(c.num_tokens, c.seq.num_prompt - c.seq.num_computed)
-            c.seq.num_computed += c.num_tokens
+        st.prompt_tokens += update.prompt_tokens
+        st.requests_finished += len(update.finished)
+        st.generation_tokens += len(seqs)
         out: list[tuple[str, TokenOutput | BaseException]] = []
         for seq in prefill_only:  # max_tokens=0: the prompt is scored, nothing is generated
-            self.scheduler.finish(seq, "length")
-            st.requests_finished += 1
             out.append((seq.request_id, TokenOutput(-1, 0.0, None, "length", self._prompt_logprobs_of(seq))))
-        for c, pick in zip(sampled_chunks, picks, strict=True):
-            seq = c.seq
-            first = seq.num_output == 0
-            seq.tokens.append(pick.token_id)
-            st.generation_tokens += 1
-            reason = self._finish_reason(seq, pick.token_id)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                st.requests_finished += 1
-            token = TokenOutput(pick.token_id, pick.logprob, pick.top_logprobs, reason)
-            if first:
+        for seq, pick in zip(seqs, picks, strict=True):
+            token = TokenOutput(pick.token_id, pick.logprob, pick.top_logprobs, update.finished.get(seq))
+            if seq.num_output == 1:
                 token.prompt_logprobs = self._prompt_logprobs_of(seq)
             out.append((seq.request_id, token))
         self._update_queue_stats()
@@ -482,14 +484,6 @@ class Engine:
     @staticmethod
     def _prompt_logprobs_of(seq: Sequence) -> list[tuple[float, dict[int, float]]] | None:
         return None if seq.params.prompt_logprobs is None else list(seq.prompt_logprobs)
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos):
-            return "stop"
-        if len(seq.tokens) >= seq.max_len:
-            return "length"
-        return None
 
     def _apply_aborts(self, request_ids: set[str]) -> None:
         live = {s.request_id: s for s in [*self.scheduler.running, *self.scheduler.waiting]}
@@ -526,6 +520,9 @@ class Engine:
                 self.manager.release(seq.ref)
         self._deliver([(s.request_id, TokenOutput(-1, 0.0, None, "abort")) for s in [*live, *inbox]])
         self._update_queue_stats()
+        if self._kv_events is not None:
+            self._kv_events.close()
+            self._kv_events = None
 
     def _update_queue_stats(self) -> None:
         st, sched = self.stats, self.scheduler
@@ -533,7 +530,9 @@ class Engine:
         st.num_waiting = len(sched.waiting)
         st.num_waiting_for_slot = sched.num_waiting_for_slot
         st.preemptions = sched.num_preemptions
-        st.kv_blocks_free = self.kv.allocator.num_free
+        st.kv_blocks_free = sched.num_free_blocks
+        st.prefix_cache_queries = sched.prefix_cache_queries
+        st.prefix_cache_hits = sched.prefix_cache_hits
         st.running_adapters = tuple(dict.fromkeys(s.adapter for s in sched.running if s.adapter))
         st.waiting_adapters = tuple(dict.fromkeys(s.adapter for s in sched.waiting if s.adapter))
         st.updated_at = time.time()

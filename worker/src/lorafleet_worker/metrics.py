@@ -5,7 +5,8 @@ Request-level metrics are recorded by the HTTP layer; engine and adapter-manager
 
 The `vllm:*` series repeat the numbers under vLLM's names, labels and meanings (vllm/v1/metrics/
 loggers.py), so that the endpoint pickers of the Gateway API Inference Extension (llm-d and
-others) and vLLM dashboards work unchanged: queue depth, running requests, KV-cache use, the LoRA
+others) and vLLM dashboards work unchanged: queue depth, running requests, KV-cache use (blocks held by
+requests; cached blocks that no request holds count as free), prefix-cache queries and hits (tokens), the LoRA
 info gauge (its value is the time of the engine's last update; `running_lora_adapters` and
 `waiting_lora_adapters` list, comma-separated, the adapters with running / waiting requests),
 token counters, TTFT / inter-token latency / end-to-end histograms. Every series carries
@@ -128,6 +129,18 @@ class GatewayCollector(Collector):
         )
         yield self._family(
             counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine.", st.preemptions
+        )
+        yield self._family(
+            counter,
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            st.prefix_cache_queries,
+        )
+        yield self._family(
+            counter,
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            st.prefix_cache_hits,
         )
         if self._max_loras > 0:
             info = GaugeMetricFamily(

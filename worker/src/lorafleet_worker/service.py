@@ -47,6 +47,8 @@ class WorkerSettings:
     max_loaded_loras: int | None = None  # most adapters registered at once (None: unlimited)
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    kv_events: Any = None  # kv_events.KVEventsConfig (--kv-events-config), None = off
     lora_backend: str = "auto"
     lora_cache_dir: Path | None = None
     admin_token: str | None = None
@@ -61,6 +63,8 @@ class WorkerSettings:
             "max_cpu_loras": self.max_cpu_loras,
             "max_lora_rank": self.max_lora_rank,
             "lora_backend": self.lora_backend,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "kv_events": self.kv_events,
         }
         if self.memory_budget is not None:
             kwargs["memory_budget"] = self.memory_budget

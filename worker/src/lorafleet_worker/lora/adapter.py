@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import blake3
 import torch
 from torch import Tensor
 
@@ -88,6 +89,7 @@ class LoRAAdapter:
     path: Path
     modules: dict[tuple[int, str], list[LoRAModuleWeights | None]]
     max_rank: int
+    content_hash: bytes = b""  # BLAKE3 of its config and weight files (prefix-cache identity)
 
     @property
     def nbytes(self) -> int:
@@ -116,7 +118,17 @@ class LoRAAdapter:
             slices = modules.setdefault((layer, group), [None] * len(shape.slice_widths))
             slices[idx] = LoRAModuleWeights(A=a.to(dtype), B=b.to(dtype), scaling=_scaling(raw, key, r))
             top = max(top, r)
-        return cls(path=path, modules=modules, max_rank=top)
+        return cls(path=path, modules=modules, max_rank=top, content_hash=_content_hash(path))
+
+
+def _content_hash(path: Path) -> bytes:
+    """BLAKE3 over the config and weight files: equal for the same weights, whatever the path or name."""
+    h = blake3.blake3()
+    for name in (CONFIG_FILE, SAFETENSORS_FILE, BIN_FILE):
+        if (path / name).is_file():
+            h.update(name.encode())
+            h.update_mmap(str(path / name))
+    return h.digest()
 
 
 def _read_config(path: Path) -> dict[str, Any]:

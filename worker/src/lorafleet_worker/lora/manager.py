@@ -44,6 +44,7 @@ class _Version:
     retired: bool = False  # replaced or removed: no new refs; freed when refs reaches 0
     reading: bool = False  # a background thread is reading the weights back from disk
     read_error: AdapterError | None = None  # the last background read failed
+    content_hash: bytes = b""  # of the weights it was loaded with (prefix-cache identity)
 
 
 @dataclass(eq=False)
@@ -58,6 +59,11 @@ class AdapterRef:
     @property
     def version(self) -> int:
         return self._version.version
+
+    @property
+    def identity(self) -> bytes:
+        """Name and weights' content hash: what KV computed with this version depends on (prefix caching)."""
+        return self.name.encode() + b"\0" + self._version.content_hash
 
 
 class AdapterManager:
@@ -110,7 +116,7 @@ class AdapterManager:
         with self._lock:
             if self._admit(name, path, replace):  # a concurrent load of the same name won
                 return
-            new = _Version(name=name, version=next(self._ids), path=path, adapter=adapter)
+            new = _Version(name, next(self._ids), path, adapter, content_hash=adapter.content_hash)
             old = self._registry.get(name)
             self._registry[name] = new
             self._counters["loads"] += 1
