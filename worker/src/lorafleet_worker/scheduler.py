@@ -22,10 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from lorafleet_worker.kv_cache import PagedKVCache
-from lorafleet_worker.sampling import SamplingParams
+from lorafleet_worker.sampling import SamplingParams, SamplingState
 
 
 class SeqStatus(enum.Enum):
@@ -45,7 +43,7 @@ class Sequence:
     max_len: int  # the sequence ends ("length") when len(tokens) reaches it
     adapter: str | None = None
     ref: Any = None  # AdapterRef pinning the adapter version, None for the base model
-    generator: torch.Generator | None = None
+    sampling: SamplingState | None = None  # generator, logits processors, grammar (set by the engine)
     arrival: float = field(default_factory=time.monotonic)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose K/V are in the cache
