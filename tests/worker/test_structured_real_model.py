@@ -9,7 +9,7 @@ import enum
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import openai
@@ -32,7 +32,7 @@ class Animal(BaseModel):
     name: str = Field(min_length=1, max_length=20)
     size: Size
     legs: int = Field(ge=0, le=8)
-    colours: list[str] = Field(min_length=1, max_length=3)
+    colours: list[Annotated[str, Field(max_length=12)]] = Field(min_length=1, max_length=3)
 
 
 WEATHER_TOOL: dict[str, Any] = {
