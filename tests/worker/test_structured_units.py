@@ -261,3 +261,13 @@ def test_streamed_pieces_add_up_to_the_complete_calls(
     final = parser.parse(text, True)[1]
     assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == [(c.name, c.arguments) for c in final]
     assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+def test_serve_needs_a_parser_for_auto_tool_choice(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lorafleet_worker.cli import main
+
+    with pytest.raises(SystemExit, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        main(["serve", "--model", str(model_dir), "--enable-auto-tool-choice"])
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", str(model_dir), "--tool-call-parser", "mistral"])
+    assert "invalid choice: 'mistral'" in capsys.readouterr().err
