@@ -3,7 +3,9 @@
 `ask_side_by_side(url, ...)` works against anything that speaks the OpenAI chat API: the cluster
 demo passes the router's URL (`demo.run_demo`), `python -m demo.side_by_side` (or `make demo-real`)
 starts one worker with the real model and loads the adapters itself, without Kubernetes.
-Greedy decoding, so the same question gives the same answer every run.
+Greedy decoding, so the same question gives the same answer every run. `ask_json_schema` then
+asks the base model and the JSON adapter for the same `json_schema` answer (structured output): the
+grammar makes both valid; the adapter was trained to give it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,37 @@ def ask_side_by_side(
     return answers
 
 
+# The json_schema question: the shape the JSON adapter was trained on (demo/adapter_data.py).
+JSON_QUESTION = "What is the capital of Italy?"
+CAPITAL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"country": {"type": "string", "maxLength": 40}, "capital": {"type": "string", "maxLength": 40}},
+    "required": ["country", "capital"],
+    "additionalProperties": False,
+}
+
+
+def ask_json_schema(
+    url: str, models: Mapping[str, str], question: str = JSON_QUESTION, schema: Mapping[str, Any] = CAPITAL_SCHEMA
+) -> dict[str, dict[str, Any]]:
+    """Ask each (label -> model) `question` with `response_format: json_schema`; print and return the parsed
+    answers (json.loads of each: the grammar guarantees they parse)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": dict(schema), "strict": True}}
+    print(f"\n  Q (json_schema {json.dumps(schema['properties'])}): {question}", flush=True)
+    answers: dict[str, dict[str, Any]] = {}
+    with httpx.Client(timeout=300) as client:
+        for label, model in models.items():
+            body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 120,
+                    "temperature": 0, "response_format": fmt}  # fmt: skip
+            r = client.post(f"{url}/v1/chat/completions", json=body)
+            if r.status_code != 200:
+                raise RuntimeError(f"{model}: HTTP {r.status_code} {r.text[:300]}")
+            choice = r.json()["choices"][0]
+            answers[label] = json.loads(choice["message"]["content"])
+            print(f"    {label:<12} {choice['message']['content']}  ({choice['finish_reason']})", flush=True)
+    return answers
+
+
 def models_to_ask() -> dict[str, str]:
     """label -> OpenAI model name: the base model, then every adapter."""
     return {"base": SERVED_NAME, **ADAPTER_MODELS}
@@ -88,6 +121,7 @@ def run_single_worker(workdir: Path) -> int:
                     return 1
                 print(f"==> loaded adapter {ADAPTER_MODELS[style]} ({describe(path)})", flush=True)
         ask_side_by_side(url, models_to_ask())
+        ask_json_schema(url, {"base": SERVED_NAME, "json": ADAPTER_MODELS["json"]})
         return 0
     except WorkerStartError as e:
         print(f"error: {e}\n{log_path.read_text(errors='replace')[-4000:]}", file=sys.stderr)

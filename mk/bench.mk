@@ -1,7 +1,7 @@
 # Benchmarks (issue 8): they report, they never fail CI. Results go to bench/*.json, bench/REPORT.md, PNGs.
 # LORAFLEET_BENCH_SMOKE=1 runs any of them on a ~1M-parameter model and writes to bench/smoke/ instead.
 # BENCH_ENGINE_ARGS narrows the engine run, e.g. BENCH_ENGINE_ARGS="--concurrency 1 8 32 --scenarios base mixed16".
-.PHONY: bench bench-prefix bench-engine bench-dtype bench-loading bench-placement bench-operator bench-report bench-profile bench-micro bench-smoke
+.PHONY: bench bench-prefix bench-engine bench-structured bench-dtype bench-loading bench-placement bench-operator bench-report bench-profile bench-micro bench-smoke
 
 BENCH_ENGINE_ARGS ?=
 BENCH_PROFILE_ARGS ?= --scenario mixed16 --concurrency 32
@@ -17,6 +17,9 @@ bench-engine: setup-python  ## lorafleet vs transformers+PEFT (concurrency 1/8/3
 # What `--dtype auto` picks on a CPU (worker devices.py) is decided by this row: bf16 vs fp32 side by side.
 bench-dtype: setup-python  ## fp32 vs bf16 on this CPU, base and real model, concurrency 32 (merged into bench/engine.json)
 	$(PY) bench/bench_engine.py --merge --scenarios base real-base --concurrency 32 --dtype float32 bfloat16
+
+bench-structured: setup-python  ## JSON-schema workload vs the same prompts unconstrained (c=32), mask and compile times
+	$(PY) bench/bench_structured.py
 
 bench-loading: setup  ## adapter load latency: cold (MinIO), warm (disk), hot (CPU -> slot)
 	$(PY) bench/bench_loading.py

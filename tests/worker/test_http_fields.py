@@ -111,11 +111,13 @@ def _token_ids(choice: dict[str, Any]) -> list[int]:
 @pytest.mark.parametrize(
     ("path", "extra", "field"),
     [
-        ("/v1/completions", {"prompt": "x", "guided_json": {}}, "guided_json"),
+        ("/v1/completions", {"prompt": "x", "guided_json": {"uniqueItems": True}}, "guided_json"),
         ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        # tool_choice "auto" (the default with tools) needs --enable-auto-tool-choice and --tool-call-parser
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
         ("/v1/chat/completions", {"stream_options": {"include_usage": True, "x": 1}, "stream": True}, "x"),
     ],
 )

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lorafleet_worker.sampling import SamplingParams, make_generator, sample
+from lorafleet_worker.sampling import SampledToken, SamplingParams, SamplingState, make_generator
+from lorafleet_worker.sampling import sample as sample_states
 
 CPU = torch.device("cpu")
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]
+) -> list[SampledToken]:
+    return sample_states(logits, [SamplingState(p, g) for p, g in zip(params, gens, strict=True)])
 
 
 def _logits(rows: int = 3, vocab: int = 50, seed: int = 0) -> torch.Tensor:

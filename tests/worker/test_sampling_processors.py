@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lorafleet_worker.sampling import SamplingParams, filter_min_p, make_generator, process_logits, sample
+from lorafleet_worker.sampling import (
+    SamplingParams,
+    SamplingState,
+    filter_min_p,
+    make_generator,
+    process_logits,
+    sample,
+)
 from transformers import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -28,11 +35,19 @@ def _logits(rows: int = 1, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
 
+def _state(params: SamplingParams, tokens: list[int] = PROMPT + OUTPUT) -> SamplingState:
+    """The sampling state of a sequence that was given PROMPT and has generated the rest of `tokens`."""
+    state = SamplingState.create(params, PROMPT, eos_token_ids=[EOS])
+    for token in tokens[len(PROMPT) :]:
+        state.accept(token)
+    return state
+
+
 def _ours(
     params: SamplingParams, tokens: list[int] = PROMPT + OUTPUT, logits: torch.Tensor | None = None
 ) -> torch.Tensor:
     logits = _logits() if logits is None else logits
-    return process_logits(logits, [params], [(tokens, len(PROMPT))], eos_token_ids=[EOS])
+    return process_logits(logits, [_state(params, tokens)])
 
 
 def _input_ids(tokens: list[int] = PROMPT + OUTPUT) -> torch.Tensor:
@@ -88,7 +103,7 @@ def test_min_p_matches_min_p_warper_after_temperature(min_p: float, temperature:
     params = SamplingParams(temperature=temperature, min_p=min_p, seed=7)
     gens = [make_generator(7 + r, CPU) for r in range(4)]
     for _ in range(50):
-        for r, tok in enumerate(sample(logits, [params] * 4, gens)):
+        for r, tok in enumerate(sample(logits, [SamplingState(params, g) for g in gens])):
             assert not torch.isinf(expected[r, tok.token_id])
 
 
@@ -99,18 +114,39 @@ def test_rows_are_processed_independently_and_greedy_uses_the_processed_logits()
         SamplingParams(temperature=0, logit_bias={13: 100.0}),
         SamplingParams(temperature=0, repetition_penalty=1.7),
     ]
-    histories = [(PROMPT + OUTPUT, len(PROMPT))] * 3
-    out = process_logits(logits, params, histories, [EOS])
+    out = process_logits(logits, [_state(p) for p in params])
     torch.testing.assert_close(out[0], logits[0])  # no field set: untouched
     expected = RepetitionPenaltyLogitsProcessor(1.7)(_input_ids(), logits[2:3].clone())
     torch.testing.assert_close(out[2:3], expected)
-    picks = sample(logits, params, [None] * 3, histories, [EOS])
+    picks = sample(logits, [_state(p) for p in params])
     assert [p.token_id for p in picks] == out.argmax(-1).tolist()
     assert picks[1].token_id == 13
     # logprobs stay those of the raw logits (vLLM's default)
     assert picks[1].logprob == pytest.approx(float(torch.log_softmax(logits[1], -1)[13]), abs=1e-6)
 
 
-def test_fields_that_need_the_history_are_refused_without_it() -> None:
-    with pytest.raises(ValueError, match="histories"):
-        sample(_logits(), [SamplingParams(min_tokens=1)], [None])
+def test_processors_follow_the_tokens_the_sequence_accepts() -> None:
+    """The state advances with each accepted token: min_tokens lifts, penalties grow (no history passed)."""
+    params = SamplingParams(min_tokens=2, frequency_penalty=1.0)
+    state = SamplingState.create(params, PROMPT, eos_token_ids=[EOS])
+    logits = _logits()
+    assert torch.isinf(process_logits(logits, [state])[0, EOS])
+    state.accept(41)
+    state.accept(41)
+    out = process_logits(logits, [state])
+    assert not torch.isinf(out[0, EOS])
+    assert float(out[0, 41]) == pytest.approx(float(logits[0, 41]) - 2.0)
+
+
+def test_a_grammar_mask_is_applied_before_logprobs_and_wins_over_min_tokens() -> None:
+    """Masked tokens are never drawn; logprobs renormalise over what the grammar allows (vLLM's order);
+    when min_tokens forbids the only token the grammar allows (its EOS), the grammar wins."""
+    logits = _logits(2)
+    allowed = torch.zeros(2, VOCAB, dtype=torch.bool)
+    allowed[0, [3, 4]] = True
+    allowed[1, EOS] = True
+    states = [SamplingState(SamplingParams(temperature=0)), _state(SamplingParams(temperature=0, min_tokens=9), PROMPT)]
+    picks = sample(logits, states, allowed)
+    assert picks[0].token_id == (3 if logits[0, 3] > logits[0, 4] else 4)
+    assert picks[0].logprob == pytest.approx(float(torch.log_softmax(logits[0, [3, 4]], -1).max()), abs=1e-6)
+    assert picks[1].token_id == EOS

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lorafleet_worker.kv_events import KVEventsConfig
+from lorafleet_worker.structured.tool_calls import PARSER_NAMES
 
 log = logging.getLogger("lorafleet_worker")
 
@@ -167,6 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="chat template (a Jinja file, or the template itself) for models without one, or to replace it",
     )
     serve.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help='tool_choice "auto": parse tool calls (vLLM\'s flag)'
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=PARSER_NAMES,
+        help="the model's tool-call format (hermes: Hermes/Qwen; llama3_json)",
+    )
+    serve.add_argument(
         "--admin-token-file", metavar="FILE", type=Path, help="file holding the management API's bearer token"
     )
 
@@ -219,6 +228,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"lorafleet-worker: {args.model} is not a Hugging Face model directory (no config.json)")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("lorafleet-worker: --enable-auto-tool-choice needs --tool-call-parser")
     settings = WorkerSettings(
         model_dir=args.model,
         served_model_name=args.served_model_name or str(args.model),
@@ -240,6 +251,8 @@ def _serve(args: argparse.Namespace) -> int:
         lora_cache_dir=args.lora_cache_dir,
         admin_token=_admin_token(args.admin_token_file),
         chat_template=_chat_template(args.chat_template),
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         lora_enabled=os.environ.get("DYN_LORA_ENABLED", "true").strip().lower() not in _FALSE,
     )
     log.info(

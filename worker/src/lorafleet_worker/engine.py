@@ -38,8 +38,16 @@ from lorafleet_worker.memory import (
 )
 from lorafleet_worker.model import LoRAContext, Transformer, cpu_attention, cpu_linear, parse_dtype
 from lorafleet_worker.omp_threads import on_fresh_thread, serial, size_team
-from lorafleet_worker.sampling import SamplingParams, TokenOutput, make_generator, prompt_logprobs, sample
+from lorafleet_worker.sampling import (
+    SamplingParams,
+    SamplingState,
+    TokenConstraint,
+    TokenOutput,
+    prompt_logprobs,
+    sample,
+)
 from lorafleet_worker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan
+from lorafleet_worker.structured.masks import GrammarMasks
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +220,7 @@ class Engine:
         self._kv_events = KVEventStream(kv_events, block_size) if kv_events is not None and kv_events.active else None
         if self._kv_events is not None:
             self.kv.pool.on_event = self._kv_events.record
+        self.grammar_masks = GrammarMasks(self.config.vocab_size)  # structured output's masks, beside the forward
         self._requests: dict[str, _Request] = {}  # event-loop thread only
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
@@ -271,9 +280,16 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        *,
+        constraint: TokenConstraint | None = None,
     ) -> AsyncIterator[TokenOutput]:
-        """Submit a request and return its token stream.
+        """Submit a request and return its token stream; `constraint`: the grammar its output follows
+        (structured/masks.py, one per request).
 
         Raises before yielding: ValueError (bad params / prompt), AdapterNotFoundError (unknown adapter
         or being removed), RuntimeError (engine not started). Closing the iterator aborts the request.
@@ -281,6 +297,8 @@ class Engine:
         if not self.running:
             raise RuntimeError("engine is not running")
         params.validate()
+        if constraint is not None and params.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured output (the grammar decides the end)")
         self._check_prompt(prompt_token_ids)
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -298,7 +316,13 @@ class Engine:
             max_len=max_len,
             adapter=adapter,
             ref=ref,
-            generator=make_generator(params.seed, self.device),
+            sampling=SamplingState.create(
+                params,
+                prompt_token_ids,
+                eos_token_ids=self.config.eos_token_ids,
+                device=self.device,
+                constraint=constraint,
+            ),
         )
         req = _Request(seq)
         self._requests[request_id] = req
@@ -422,27 +446,22 @@ class Engine:
         self._shutdown()
 
     def _step(self, plan: StepPlan) -> None:
+        samplers = [c for c in plan.chunks if c.samples]
+        keep = [i for i, c in enumerate(samplers) if c.seq.params.max_tokens > 0]
+        prefill_only = [c.seq for c in samplers if c.seq.params.max_tokens == 0]
+        sampled_chunks = [samplers[i] for i in keep]
+        states = [c.seq.sampling or SamplingState(c.seq.params) for c in sampled_chunks]
+        masks = self.grammar_masks.start(states)  # in a background thread, while the forward pass runs
         batch, token_slots = build_forward_batch(plan, self.kv.block_size, self.device)
         backend, manager = self.lora_backend, self.manager
         if backend is not None and manager is not None and bool((token_slots >= 0).any()):
             info = backend.prepare(token_slots.to(self.device, non_blocking=True))
             batch.lora = LoRAContext(backend, manager.pool, info)
         logits = self._score_prompts(plan, self.model(batch, self.kv))
-        samplers = [c for c in plan.chunks if c.samples]
-        keep = [i for i, c in enumerate(samplers) if c.seq.params.max_tokens > 0]
-        prefill_only = [c.seq for c in samplers if c.seq.params.max_tokens == 0]
         if prefill_only:
             logits = logits[keep]
-        sampled_chunks = [samplers[i] for i in keep]
+        picks = sample(logits, states, masks.wait(logits.device))
         seqs = [c.seq for c in sampled_chunks]
-        picks = sample(
-            logits,
-            [s.params for s in seqs],
-            [s.generator for s in seqs],
-            [(s.tokens, s.num_prompt) for s in seqs],
-            self.config.eos_token_ids,
-        )
-
         update = self.scheduler.update(plan, {s: pick.token_id for s, pick in zip(seqs, picks, strict=True)})
         st = self.stats
         st.steps += 1
@@ -523,6 +542,7 @@ class Engine:
         if self._kv_events is not None:
             self._kv_events.close()
             self._kv_events = None
+        self.grammar_masks.close()
 
     def _update_queue_stats(self) -> None:
         st, sched = self.stats, self.scheduler

@@ -18,7 +18,7 @@ from lorafleet_worker.tokenizer import IncrementalDetokenizer, StopStringMatcher
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from lorafleet_worker.sampling import SamplingParams, TokenOutput
+    from lorafleet_worker.sampling import SamplingParams, TokenConstraint, TokenOutput
 
 
 class ClientDisconnected(Exception):
@@ -64,7 +64,9 @@ class Generation:
         params: SamplingParams,
         stop: list[str],
         disconnected: Callable[[], Awaitable[Any]] | None = None,
+        constraint: Callable[[], TokenConstraint] | None = None,
     ) -> None:
+        """`constraint` makes this request's grammar state (structured output), one per generation."""
         self.request_id = new_request_id("req")
         self.model = model
         self.prompt_ids = prompt_ids
@@ -81,6 +83,7 @@ class Generation:
         self._t0 = time.monotonic()
         self._last_token_at: float | None = None
         self._submit = (prompt_ids, params, adapter)
+        self._constraint = constraint
         self._it: AsyncIterator[TokenOutput] | None = None
         self._first: TokenOutput | None = None
         self._disconnected = disconnected
@@ -95,7 +98,10 @@ class Generation:
 
         prompt_ids, params, adapter = self._submit
         try:
-            self._it = self._service.engine.generate(self.request_id, prompt_ids, params, adapter)
+            constraint = None if self._constraint is None else self._constraint()
+            self._it = self._service.engine.generate(
+                self.request_id, prompt_ids, params, adapter, constraint=constraint
+            )
         except AdapterNotFoundError as e:
             raise APIError(
                 404, f"The model `{self.model}` does not exist.", param="model", code="model_not_found"

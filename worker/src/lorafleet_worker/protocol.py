@@ -123,6 +123,33 @@ class StreamOptions(_OpenAIBody):
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
+class JsonSchemaFormat(_OpenAIBody):
+    """OpenAI's `response_format.json_schema`; the schema is always enforced (`strict` or not)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None  # for the caller's records; the grammar is the schema
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_OpenAIBody):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_OpenAIBody):
+    """vLLM's `structured_outputs` (one of the fields)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 class _SamplingBody(_OpenAIBody):
     """Fields shared by completions and chat completions (plus vLLM's sampling extensions)."""
 
@@ -146,6 +173,13 @@ class _SamplingBody(_OpenAIBody):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* (at most one)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     # max_tokens when the request names none (None: the rest of the context)
     default_max_tokens: ClassVar[int | None] = None
@@ -214,8 +248,25 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ResponseFormat(_OpenAIBody):
-    type: Literal["text"]  # structured output (json_object, json_schema) is not supported
+class FunctionDefinition(_OpenAIBody):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None  # shown to the model through the chat template
+    parameters: dict[str, Any] | None = None  # a JSON schema; enforced for tool_choice required / named
+    strict: bool | None = None
+
+
+class ChatTool(_OpenAIBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_OpenAIBody):
+    name: str
+
+
+class NamedToolChoice(_OpenAIBody):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingBody):
@@ -223,7 +274,9 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM extensions
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": false}

@@ -1,18 +1,22 @@
-"""Sampling parameters and batched token sampling.
+"""Sampling parameters, each sequence's sampling state, and batched token sampling.
 
-Per row, in vLLM's order: logit_bias and min_tokens, then the repetition / frequency / presence
-penalties (greedy takes the argmax here), then temperature, min_p, top-k and top-p, and a seeded or
-global draw. Logprobs are those of the raw logits (vLLM's default `raw_logprobs`), so they do not
-depend on the sampling fields.
+Per row: the grammar mask of structured output (tokens the grammar forbids get -inf), then the
+sequence's logits processors (logit_bias, min_tokens, penalties: logits_processors.py; greedy takes
+the argmax here), then temperature, min_p, top-k and top-p, and a seeded or global draw. Logprobs
+are those of the logits before the processors (vLLM's default `raw_logprobs`, taken as vLLM does after
+the grammar mask), so they do not depend on the sampling fields.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
+
+from lorafleet_worker.logits_processors import LogitsProcessor, build_processors
 
 MAX_LOGPROBS = 20
 
@@ -64,17 +68,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    @property
-    def changes_logits(self) -> bool:
-        """True when logit_bias, min_tokens or a penalty applies (before temperature)."""
-        return bool(
-            self.logit_bias
-            or self.min_tokens
-            or self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-        )
-
 
 @dataclass
 class TokenOutput:
@@ -91,6 +84,54 @@ class SampledToken:
     token_id: int
     logprob: float
     top_logprobs: dict[int, float] | None
+
+
+class TokenConstraint(Protocol):
+    """A grammar that a sequence's output must follow (structured/masks.py computes its masks)."""
+
+    @property
+    def finished(self) -> bool:
+        """True once the grammar admits no more tokens (the sequence ends with "stop")."""
+
+    def accept(self, token_id: int) -> None:
+        """Advance over the sampled token."""
+
+
+@dataclass(eq=False)
+class SamplingState:
+    """One sequence's sampling: its params, seeded generator, logits processors and grammar.
+
+    Advanced in one place: the engine calls `accept` with each token the sequence samples.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    processors: list[LogitsProcessor] = field(default_factory=list)
+    constraint: TokenConstraint | None = None
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        *,
+        eos_token_ids: Sequence[int] = (),
+        device: torch.device | None = None,
+        constraint: TokenConstraint | None = None,
+    ) -> SamplingState:
+        generator = make_generator(params.seed, device or torch.device("cpu"))
+        return cls(params, generator, build_processors(params, prompt_ids, eos_token_ids), constraint)
+
+    def accept(self, token_id: int) -> None:
+        for proc in self.processors:
+            proc.accept(token_id)
+        if self.constraint is not None:
+            self.constraint.accept(token_id)
+
+    @property
+    def finished(self) -> bool:
+        """True when the grammar is complete: nothing but EOS could follow."""
+        return self.constraint is not None and self.constraint.finished
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
@@ -115,42 +156,15 @@ def _filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
 
 
-def _penalize_row(row: Tensor, p: SamplingParams, token_ids: Sequence[int], num_prompt: int) -> None:
-    """Apply `p`'s repetition, frequency and presence penalties to one row of logits, in place."""
-    if p.repetition_penalty != 1.0 and token_ids:
-        seen = torch.tensor(sorted(set(token_ids)), device=row.device)
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    output = token_ids[num_prompt:]
-    if (p.frequency_penalty or p.presence_penalty) and output:
-        counts = torch.bincount(torch.tensor(output, device=row.device), minlength=row.shape[0]).to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-
-
-def process_logits(
-    logits: Tensor,
-    params: Sequence[SamplingParams],
-    histories: Sequence[tuple[Sequence[int], int]],
-    eos_token_ids: Sequence[int] = (),
-) -> Tensor:
-    """Logits after logit_bias, min_tokens and the penalties (a copy when any applies).
-
-    `histories[i]` is row i's (prompt + generated token ids, number of prompt tokens).
-    """
-    rows = [i for i, p in enumerate(params) if p.changes_logits]
+def process_logits(logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
+    """Logits after each row's processors (a copy when any applies)."""
+    rows = [i for i, st in enumerate(states) if st.processors]
     if not rows:
         return logits
     logits = logits.clone()
-    vocab = logits.shape[-1]
     for i in rows:
-        p, (token_ids, num_prompt), row = params[i], histories[i], logits[i]
-        if p.logit_bias:
-            ids = [t for t in p.logit_bias if 0 <= t < vocab]
-            row[ids] += torch.tensor([p.logit_bias[t] for t in ids], device=row.device, dtype=row.dtype)
-        if len(token_ids) - num_prompt < p.min_tokens:
-            stops = {*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)}
-            row[[t for t in stops if 0 <= t < vocab]] = float("-inf")
-        _penalize_row(row, p, token_ids, num_prompt)
+        for proc in states[i].processors:
+            proc.apply(logits[i])
     return logits
 
 
@@ -161,26 +175,28 @@ def filter_min_p(scaled: Tensor, min_p: Tensor) -> Tensor:
     return scaled.masked_fill(probs < threshold, float("-inf"))
 
 
-def sample(
-    logits: Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-    histories: Sequence[tuple[Sequence[int], int]] | None = None,
-    eos_token_ids: Sequence[int] = (),
-) -> list[SampledToken]:
-    """Pick one token per row of `logits` ([N, V], float32) for the matching params/generator.
+def sample(logits: Tensor, states: Sequence[SamplingState], allowed: Tensor | None = None) -> list[SampledToken]:
+    """Pick one token per row of `logits` ([N, V], float32) for the matching sequence's sampling state.
 
-    `histories` (row i's token ids and prompt length) is needed when a row uses min_tokens or a penalty.
+    `allowed` ([N, V] bool, structured/masks.py): the tokens each row's grammar allows (all for a free row).
     """
     n = logits.shape[0]
     if n == 0:
         return []
     device = logits.device
+    params = [st.params for st in states]
+    generators = [st.generator for st in states]
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     logprobs = torch.log_softmax(logits, dim=-1)
-    if histories is not None:
-        logits = process_logits(logits, params, histories, eos_token_ids)
-    elif any(p.changes_logits for p in params):
-        raise ValueError("sampling with min_tokens, logit_bias or penalties needs the token histories")
+    processed = process_logits(logits, states)
+    if allowed is not None and processed is not logits:
+        # a processor that forbids all the grammar allows (min_tokens masking the EOS of a finished
+        # grammar): the grammar wins
+        dead = torch.isneginf(processed).all(dim=-1)
+        if bool(dead.any()):
+            processed[dead] = logits[dead]
+    logits = processed
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

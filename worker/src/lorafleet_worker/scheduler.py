@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from lorafleet_worker.kv_cache import ROOT_HASH, PagedKVCache, hash_block
-from lorafleet_worker.sampling import SamplingParams
+from lorafleet_worker.sampling import SamplingParams, SamplingState
 
 
 class SeqStatus(enum.Enum):
@@ -54,7 +54,7 @@ class Sequence:
     max_len: int  # the sequence ends ("length") when len(tokens) reaches it
     adapter: str | None = None
     ref: Any = None  # AdapterRef pinning the adapter version, None for the base model
-    generator: torch.Generator | None = None
+    sampling: SamplingState | None = None  # generator, logits processors, grammar (set by the engine)
     arrival: float = field(default_factory=time.monotonic)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose K/V are in the cache
@@ -307,6 +307,8 @@ class Scheduler:
             token = sampled.get(seq)
             if token is not None:
                 seq.tokens.append(token)
+                if seq.sampling is not None:
+                    seq.sampling.accept(token)  # logits processors and the grammar advance here, and only here
                 reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
@@ -316,6 +318,8 @@ class Scheduler:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.sampling is not None and seq.sampling.finished:  # the grammar is complete
             return "stop"
         if len(seq.tokens) >= seq.max_len:
             return "length"

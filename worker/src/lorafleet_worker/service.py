@@ -54,6 +54,8 @@ class WorkerSettings:
     admin_token: str | None = None
     lora_enabled: bool = True
     chat_template: str | None = None  # Jinja source replacing the model's chat template (--chat-template)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" parses calls (--enable-auto-tool-choice)
+    tool_call_parser: str | None = None  # hermes | llama3_json (--tool-call-parser)
 
     def engine_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {

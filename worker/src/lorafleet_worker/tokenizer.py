@@ -61,6 +61,27 @@ def _message_text(content: Any) -> str:
     raise TokenizerError("message content must be a string or a list of text parts")
 
 
+def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as chat templates expect it: text content, and tool-call arguments as objects (OpenAI
+    sends them as JSON strings; templates such as Qwen's and Llama's render them with `tojson`)."""
+    out = {**message, "content": _message_text(message.get("content"))}
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [_template_tool_call(c) for c in calls]
+    return out
+
+
+def _template_tool_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not (isinstance(function, Mapping) and isinstance(function.get("arguments"), str)):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 def _raise_exception(message: str) -> None:
     raise TokenizerError(f"chat template error: {message}")
 
@@ -139,9 +160,11 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Render OpenAI chat messages with the chat template; `template_kwargs` are extra template variables
-        (as `chat_template_kwargs` in vLLM and `apply_chat_template(**kwargs)` in transformers)."""
+        (as `chat_template_kwargs` in vLLM and `apply_chat_template(**kwargs)` in transformers); `tools` are
+        the request's tools (OpenAI's shape), the template's `tools` variable."""
         if self._template is None:
             raise NoChatTemplateError(
                 "this model has no chat template; use /v1/completions, or start the worker with --chat-template"
@@ -150,10 +173,10 @@ class Tokenizer:
             "add_generation_prompt": add_generation_prompt,
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
-            "tools": None,
             **(template_kwargs or {}),
+            "tools": list(tools) if tools else None,
         }
-        variables["messages"] = [{**m, "content": _message_text(m.get("content"))} for m in messages]
+        variables["messages"] = [_template_message(m) for m in messages]
         try:
             return self._template.render(**variables)
         except jinja2.TemplateError as e:
@@ -165,9 +188,12 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of a chat prompt (special tokens come from the template, as in transformers)."""
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
+        text = self.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs, tools=tools
+        )
         return self.encode(text, add_special_tokens=False)
 
 
