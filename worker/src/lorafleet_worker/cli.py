@@ -146,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="chat template (a Jinja file, or the template itself) for models without one, or to replace it",
     )
     serve.add_argument(
+        "--health-stall-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=60.0,
+        help="/health fails when the engine loop made no progress for this long with requests waiting "
+        "(a wedged step), so the kubelet restarts the worker; 0 = check only that the loop is alive (default 60)",
+    )
+    serve.add_argument(
         "--admin-token-file", metavar="FILE", type=Path, help="file holding the management API's bearer token"
     )
 
@@ -217,6 +225,7 @@ def _serve(args: argparse.Namespace) -> int:
         lora_cache_dir=args.lora_cache_dir,
         admin_token=_admin_token(args.admin_token_file),
         chat_template=_chat_template(args.chat_template),
+        stall_timeout_s=max(0.0, args.health_stall_timeout),
         lora_enabled=os.environ.get("DYN_LORA_ENABLED", "true").strip().lower() not in _FALSE,
     )
     log.info(
