@@ -310,11 +310,29 @@ class Router:
         metrics.ROUTER_INFLIGHT.dec()
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, kind: str) -> web.StreamResponse:
+        """Pass a (streamed) answer through as it comes. A worker dying after the first byte breaks the
+        client's stream too (its connection is closed mid-body); a client leaving ends the relay. Neither
+        is an error of the router's (no traceback, counted as ``broken`` / ``499``)."""
         response = web.StreamResponse(status=upstream.status, headers=_passed_headers(upstream))
         await response.prepare(request)
-        async for chunk in upstream.content.iter_any():
-            await response.write(chunk)
-        await response.write_eof()
+        try:
+            while True:
+                try:
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
+                    log.warning("stream from %s broke after its first byte: %s", upstream.url.host, e or type(e))
+                    metrics.ROUTER_REQUESTS.labels(kind, "broken").inc()
+                    if request.transport is not None:
+                        request.transport.close()
+                    return response
+                if not chunk:
+                    break
+                await response.write(chunk)
+            await response.write_eof()
+        except ConnectionResetError:
+            log.info("client of a stream from %s went away", upstream.url.host)
+            metrics.ROUTER_REQUESTS.labels(kind, "499").inc()
+            return response
         metrics.ROUTER_REQUESTS.labels(kind, str(upstream.status)).inc()
         return response
 
