@@ -19,7 +19,7 @@ from lorafleet_operator.handlers import Runtime
 from lorafleet_operator.index import ModelIndex
 from lorafleet_operator.ledger import MemoryLedger
 from lorafleet_operator.reconcile import Reconciler
-from lorafleet_operator.resources import Model
+from lorafleet_operator.resources import Model, Pod
 from lorafleet_operator.settings import Settings
 from lorafleet_operator.workers import WorkerClient
 from lorafleet_operator.workqueue import WorkQueue
@@ -154,3 +154,24 @@ async def test_failures_back_off_in_the_queue_and_success_forgets_them(
         await asyncio.sleep(0.02)
     await settle(rt)
     assert rt.queue.num_requeues(("ns", "m")) == 0  # success forgot the failures
+
+
+async def test_a_model_on_fewer_pods_than_replicas_is_looked_at_again(mgmt_workers: list[MgmtWorker]) -> None:
+    """Level-based safety net: Ready on the only 2 pods there are while 3 are wanted, it is re-queued
+    after ``retry_max`` even if no pod event comes; with its replicas placed it is not."""
+    client = WorkerClient(call_timeout=2, load_timeout=5, backoff=0.01)
+    rec = Reconciler(client, management_port=mgmt_workers[0].port, retry_max=7.0, unload_grace=0)
+    pods = [Pod.from_body(pod_body(f"worker-{i}", w.host, True, BASE)) for i, w in enumerate(mgmt_workers)]
+    try:
+        body = lora_body("m", "org/under", "2026-01-01T00:00:01Z")
+        body["spec"]["replicas"] = len(pods) + 1
+        result = await rec.reconcile(Model.from_body(body), pods)
+        assert result.status["phase"] == "Ready" and len(result.status["placement"]) == len(pods)
+        assert result.requeue_after == 7.0
+        body["spec"]["replicas"] = len(pods)
+        for _ in range(3):  # converge (follow-up passes publish, then settle)
+            result = await rec.reconcile(Model.from_body(body), pods)
+            body["status"] = result.status
+        assert result.status["phase"] == "Ready" and result.requeue_after is None
+    finally:
+        await client.close()

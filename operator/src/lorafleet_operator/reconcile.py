@@ -283,7 +283,10 @@ class Reconciler:
         requeue = await self._unload_leavers(model, names, target, leavers)
         result = self._done(model, observed, ok=not short)  # short: look again for room, with backoff
         limited_retry = self.retry_max if limited else None  # autoscaled, above minReplicas: look again for room
-        result.requeue_after = _earliest(source.requeue, requeue, limited_retry)
+        # fewer Ready pods than replicas: a pod joining re-queues it (``placement.takes``); look again anyway,
+        # so that an event missed or read against a stale status never leaves it under-replicated for good
+        under = self.retry_max if len(placement) < replicas else None
+        result.requeue_after = _earliest(source.requeue, requeue, limited_retry, under)
         result.followup = bool(leavers)
         return result
 
