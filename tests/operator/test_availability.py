@@ -73,7 +73,7 @@ async def test_scale_down_restart_and_replicas_change_always_route(mgmt_workers:
     down = [dataclasses.replace(p, ready=False) if p.name == victim else p for p in pods]
     model = await passes(rec, model, down, sink)
     await mgmt_workers[index].restart()
-    rec.forget_pod(pods[index].uid)
+    rec.inventory.forget_pod(pods[index].uid)
     model = await passes(rec, model, pods, sink)
     # replicas 2 -> 3 -> 1, then scale down to two pods
     model = await passes(rec, dataclasses.replace(model, replicas=3, generation=2), pods, sink)
@@ -139,7 +139,7 @@ async def test_failed_swap_keeps_serving_the_last_good_version(mgmt_workers: lis
     # a holder restarts meanwhile: it gets the last good version back
     index = int(placed[0].split("-")[1])
     await mgmt_workers[index].restart()
-    rec.forget_pod(pods[index].uid)
+    rec.inventory.forget_pod(pods[index].uid)
     model, result = await converge(rec, model, pods)
     assert mgmt_workers[index].loras.get("org/adapter-a") == good
     # fixing the source completes the swap

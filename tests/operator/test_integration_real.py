@@ -217,7 +217,7 @@ async def test_drift_lost_adapter_is_repaired(env: Env) -> None:
     async with env.http.delete(f"{victim.mgmt}/v1/loras/org/adapter-a") as resp:
         assert resp.status == 200
     assert "org/adapter-a" not in victim.loras()
-    env.runtime.reconciler.invalidate_listings()  # the drift timer's job
+    env.runtime.inventory.invalidate_listings()  # the drift timer's job
     env.runtime.requeue_all()
     await eventually(lambda: "org/adapter-a" in victim.loras(), what="drift repaired")
 

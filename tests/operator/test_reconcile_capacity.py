@@ -39,7 +39,7 @@ async def test_full_pods_are_skipped_and_what_does_not_fit_is_insufficient_capac
             assert status["phase"] == st.DEGRADED
             assert reason(status, "Degraded") == st.INSUFFICIENT_CAPACITY
             assert reason(status, "Ready") == st.SERVING  # its one replica serves
-        assert result.requeue_after is not None  # looks again for room, with backoff
+        assert result.failed  # looks again for room, with backoff
 
     # a placed model keeps the pods of its HRW order that had room, best first
     first = models[0].model_name
@@ -48,7 +48,7 @@ async def test_full_pods_are_skipped_and_what_does_not_fit_is_insufficient_capac
     # room appears (a pod's cap is raised): the next pass places the missing replicas
     for w in workers:
         w.capacity = 3
-    rec.invalidate_listings()
+    rec.inventory.invalidate_listings()
     for name in full_after:
         model = next(m for m in models if m.model_name == name)
         _, result = await converge(rec, model, pods)
@@ -64,14 +64,14 @@ async def test_a_507_from_a_worker_reads_insufficient_capacity_not_a_load_loop(
     pods = pods_for(workers)
     rec, _ = make(workers, listing_ttl=3600)
     model = lora("org/late", replicas=1)
-    await rec.listing(pods[0]), await rec.listing(pods[1])  # cached: both look empty and unlimited
+    await rec.inventory.listing(pods[0]), await rec.inventory.listing(pods[1])  # cached: both look empty and unlimited
     for w in workers:
         w.capacity = 1
         w.loras["someone-else"] = "s3://bucket/other"
     result = await rec.reconcile(model, pods)
     assert result.status["phase"] == st.DEGRADED
     assert reason(result.status, "EndpointsReady") == st.INSUFFICIENT_CAPACITY
-    assert result.requeue_after is not None
+    assert result.failed
     # each 507 drops that pod's stale listing: soon every pod is known full and nothing is posted
     for _ in range(2):
         result = await rec.reconcile(model, pods)

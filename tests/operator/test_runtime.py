@@ -121,7 +121,7 @@ async def test_oldest_owns_a_name_the_other_conflicts_and_nothing_flaps(cluster:
     assert {w.loras.get("shared/name") for w in cluster.workers} - {None} == {"s3://bucket/one"}
     posts = cluster.posts()
     for _ in range(4):  # several drift intervals: no load, no status change
-        cluster.runtime.reconciler.invalidate_listings()
+        cluster.runtime.inventory.invalidate_listings()
         await cluster.runtime.drift()
         cluster.runtime.requeue_all()
         await cluster.settle()
@@ -156,7 +156,9 @@ async def test_rename_unloads_the_old_name(cluster: Cluster) -> None:
     await cluster.runtime.drift()
     assert cluster.holders("org/old") == set()
     await cluster.runtime.drift()  # nothing holds it any more: crossed out of the ledger
-    base_hash = cluster.runtime.parsed[("ns", "m")].base_hash
+    model = cluster.runtime.index.get(("ns", "m"))
+    assert model is not None
+    base_hash = model.base_hash
     assert "org/old" not in await cluster.runtime.reconciler.ledger.names("ns", base_hash)
 
 

@@ -100,7 +100,6 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
             emit=handlers.event_sink(events),
             ledger=ConfigMapLedger(kube),
             listing_ttl=2 * settings.drift_interval,  # the drift pass refreshes every listing
-            retry_base=settings.retry_base,
             retry_max=settings.retry_max,
             unload_grace=settings.unload_grace,
             autoscaler=Autoscaler(cooldown=settings.autoscale_cooldown),

@@ -1,6 +1,6 @@
 """The drift pass: one ``GET /v1/loras`` per worker pod, compared with what that pod should hold.
 
-Per pod, against the DynamoModels that own their names (see ``Runtime.owner``):
+Per pod, against the DynamoModels that own their names (``ModelIndex.owners``):
 - a name placed on the pod (``status.placement``) but missing (worker restart, lost adapter):
   that model is re-queued, and only that one;
 - a name some model wants but not on this pod (a leaver not unloaded yet): that model is re-queued;
@@ -19,7 +19,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from lorafleet_operator.reconcile import Reconciler
+from lorafleet_operator.inventory import WorkerInventory
+from lorafleet_operator.ledger import Ledger
 from lorafleet_operator.resources import Model, Pod
 
 log = logging.getLogger(__name__)
@@ -37,19 +38,19 @@ class DriftReport:
 
 
 async def drift_pass(
-    reconciler: Reconciler,
-    pods: Iterable[Pod],
+    inventory: WorkerInventory,
+    ledger: Ledger,
     owners: Iterable[tuple[Key, Model]],
     requeue: Callable[[Key], None],
     wanted_now: Callable[[str, str, str], bool],
 ) -> DriftReport:
-    """Compare every Ready pod's adapters with the owners' placements; repair what differs.
+    """Compare every Ready pod of the inventory with the owners' placements; repair what differs.
 
     ``owners``: the live LoRA DynamoModels that own their served name. ``wanted_now(namespace,
     base_hash, name)`` re-checks, just before an orphan is unloaded, that no model claims it."""
     report = DriftReport()
     groups: defaultdict[Group, list[Pod]] = defaultdict(list)
-    for pod in pods:
+    for pod in inventory.pods():
         if pod.ready and pod.ip and pod.base_hash:
             groups[(pod.namespace, pod.base_hash)].append(pod)
     wanted: defaultdict[Group, dict[str, tuple[Key, Model]]] = defaultdict(dict)
@@ -66,8 +67,8 @@ async def drift_pass(
         for name, (key, model) in want.items():
             for pod_name in model.status.get("placement") or []:
                 placed_on[pod_name].append((key, name))
-        ours = await reconciler.ledger.names(namespace, base_hash)
-        listings = await asyncio.gather(*(reconciler.fresh_listing(p) for p in members))
+        ours = await ledger.names(namespace, base_hash)
+        listings = await asyncio.gather(*(inventory.fresh_listing(p) for p in members))
         complete, held = True, set()
         for pod, names in zip(members, listings, strict=True):
             if names is None:
@@ -86,13 +87,13 @@ async def drift_pass(
                 elif (
                     name in ours
                     and not wanted_now(namespace, base_hash, name)
-                    and await reconciler.unload_name(pod, name)
+                    and await inventory.unload_orphan(pod, name)
                 ):
                     report.unloaded.append((pod.name, name))
                     log.info("unloaded %s from pod %s: no DynamoModel wants it any more", name, pod.name)
         if complete:
             for name in sorted(ours - set(want) - held):
                 if not wanted_now(namespace, base_hash, name):
-                    await reconciler.ledger.release(namespace, base_hash, name)
+                    await ledger.release(namespace, base_hash, name)
                     report.released.append(name)
     return report

@@ -4,12 +4,18 @@
   and our sync Jobs only update caches and queue model keys; they never block on workers.
   A pod leaving (unready, gone, new IP or uid) re-queues only the models placed on it; a pod
   joining re-queues only the models whose top-``replicas`` set it enters (``placement.takes``).
+- Each piece of state has one owner: ``index.ModelIndex`` (every DynamoModel once, refreshed by
+  the answers of our own status and finalizer writes, and name ownership), ``inventory.WorkerInventory``
+  (pods and what they hold; the reconciler and the drift pass share it), ``finalizers.Finalizers``
+  and ``workqueue.WorkQueue`` (de-duplication and per-key failure backoff, as client-go's
+  rate-limited queue). ``Runtime`` wires them and runs the loops.
 - Name ownership: among live LoRA DynamoModels with the same (base model, ``modelName``) in the
   watched scope the oldest (creationTimestamp, then namespace/name) owns the name; the others
   get ``ModelNameConflict`` and are never loaded. A change of claimants re-queues them all, so
   deleting the owner hands the name over (the adapter stays loaded: no gap).
-- ``Runtime`` runs ``reconcile_workers`` tasks over a de-duplicating queue, so one model is
-  never reconciled twice at once, and patches ``status`` only when it changed (merge patch).
+- ``Runtime`` runs ``reconcile_workers`` tasks over the queue, so one model is never reconciled
+  twice at once, and patches ``status`` only when it changed (merge patch); a failed pass is
+  retried with ``add_rate_limited``, a successful one ``forget``s its failures.
 - A drift timer runs ``drift.drift_pass`` every ``drift_interval`` seconds: one listing per pod,
   re-queueing only models whose pods differ, unloading orphans the ledger says we placed.
 - DynamoModels are watched by the runtime's own ``Informer`` (``watch_models``), not by kopf:
@@ -25,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -39,7 +44,10 @@ from lorafleet_operator import metrics
 from lorafleet_operator import status as st
 from lorafleet_operator.autoscale import RouterDemand, autoscale_pass
 from lorafleet_operator.drift import drift_pass
-from lorafleet_operator.kube import EventPoster, Informer, KubeClient, KubeError, collection_path
+from lorafleet_operator.finalizers import FINALIZER, GROUP, PLURAL, VERSION, Finalizers
+from lorafleet_operator.index import Key, ModelIndex, key_of
+from lorafleet_operator.inventory import WorkerInventory
+from lorafleet_operator.kube import EventPoster, Informer, KubeClient, collection_path
 from lorafleet_operator.placement import takes
 from lorafleet_operator.reconcile import Reconciler
 from lorafleet_operator.resources import Model, Pod
@@ -49,16 +57,17 @@ from lorafleet_operator.workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
 
-GROUP, VERSION, PLURAL = "nvidia.com", "v1alpha1", "dynamomodels"
-FINALIZER = "nvidia.com/finalizer"
+__all__ = ["FINALIZER", "Runtime", "event_sink", "kube_status_writer", "prime_pods"]
 ANNOTATION_PREFIX = "lorafleet.nvidia.com"
 
-Key = tuple[str, str]
 StatusWriter = Callable[[Model, Mapping[str, Any]], Awaitable[dict[str, Any] | None]]
 
 
 class Runtime:
-    """Caches (models, pods by base hash), the name owners, the queue, and the reconcile workers."""
+    """Wires the pieces, each the one owner of its state: the object index (``ModelIndex``: each
+    DynamoModel once, and name ownership), the worker inventory (pods and what they hold, shared with
+    the reconciler and the drift pass), the finalizers (``Finalizers``), and the rate-limited work
+    queue (per-key backoff); runs the reconcile workers and the background loops over them."""
 
     def __init__(
         self, settings: Settings, reconciler: Reconciler, write_status: StatusWriter, kube: KubeClient | None = None
@@ -66,37 +75,26 @@ class Runtime:
         self.settings = settings
         self.reconciler = reconciler
         self.write_status = write_status
-        self.kube = kube  # finalizers are added and removed through it (None: no finalizers, tests)
-        self._finalizing: dict[Key, asyncio.Task[None]] = {}
-        self._finalized: set[str] = set()  # uids released, until their DELETED event (stale events)
-        self.queue: WorkQueue[Key] = WorkQueue()
-        self.models: dict[Key, dict[str, Any]] = {}
-        self.parsed: dict[Key, Model] = {}
-        self.pods: dict[Key, Pod] = {}
+        self.kube = kube
+        self.queue: WorkQueue[Key] = WorkQueue(settings.retry_base, settings.retry_max)
+        self.index = ModelIndex(on_claim_change=self.queue.add)
+        self.inventory: WorkerInventory = reconciler.inventory  # one inventory: the reconciler reads what we feed
+        self.finalizers = Finalizers(kube, self.finalize, settings.retry_base, settings.retry_max)
         self.phases: dict[Key, str] = {}
-        self.claimants: defaultdict[tuple[str, str], set[Key]] = defaultdict(set)  # served name -> live LoRAs
         self._locks: dict[Key, asyncio.Lock] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._claims: defaultdict[tuple[str, str], set[str]] = defaultdict(set)  # names to write down in bulk
         self._claims_wakeup = asyncio.Event()
-        self._pod_groups: dict[tuple[str, str], list[Pod]] = {}  # pods_of, until the next pod event
 
     # ---- inputs -----------------------------------------------------------------------
     def on_model(self, kind: str | None, body: Mapping[str, Any]) -> None:
-        meta = body.get("metadata") or {}
-        key = (meta.get("namespace", ""), meta.get("name", ""))
-        old = self.parsed.get(key)
+        key = key_of(body)
         if kind == "DELETED":
-            self.models.pop(key, None)
-            self.parsed.pop(key, None)
+            self.index.remove(key)
             self.phases.pop(key, None)
-            self.queue.forget(key)
-            self._claim(key, old, None)
+            self.queue.discard(key)
             return
-        model = Model.from_body(body)
-        self.models[key] = dict(body)
-        self.parsed[key] = model
-        self._claim(key, old, model)
+        old, model = self.index.apply(body)
         if model.is_lora and not model.deleting and (old is None or old.served_name != model.served_name):
             self._claims[(model.namespace, model.base_hash)].add(model.model_name)
             self._claims_wakeup.set()
@@ -106,21 +104,11 @@ class Runtime:
             self.queue.add(key)  # new or changed spec; our own status writes (and metadata edits) do not re-queue
 
     def on_model_event(self, kind: str | None, body: Mapping[str, Any]) -> None:
-        """The DynamoModel watch: update the index; an object being deleted that still carries
-        our finalizer is finalized (once at a time per object) and then released."""
-        meta = body.get("metadata") or {}
-        if kind == "DELETED":
-            self._finalized.discard(meta.get("uid", ""))
-        elif meta.get("uid") in self._finalized:
-            return  # an event older than our finalizer removal: the object is as good as gone
-        self.on_model(kind, body)
-        key = (meta.get("namespace", ""), meta.get("name", ""))
-        if kind == "DELETED" or not meta.get("deletionTimestamp") or FINALIZER not in (meta.get("finalizers") or []):
+        """The DynamoModel watch: update the index; objects being deleted go to the finalizers."""
+        if self.finalizers.stale(kind, body):
             return
-        if key not in self._finalizing:
-            task = asyncio.create_task(self.finalize_and_release(body))
-            self._finalizing[key] = task
-            task.add_done_callback(lambda _t: self._finalizing.pop(key, None))
+        self.on_model(kind, body)
+        self.finalizers.on_event(kind, body)
 
     def watch_models(self) -> None:
         """Start the DynamoModel informers (one per watched namespace, or one cluster-wide)."""
@@ -129,128 +117,26 @@ class Runtime:
         for ns in namespaces:
             self.spawn(Informer(self.kube, collection_path(GROUP, VERSION, PLURAL, ns), self.on_model_event).run())
 
-    def _object_path(self, namespace: str, name: str) -> str:
-        return collection_path(GROUP, VERSION, PLURAL, namespace) + f"/{name}"
-
-    async def _edit_finalizers(self, body: Mapping[str, Any], add: bool) -> dict[str, Any] | None:
-        """Add or remove our finalizer (optimistic: a stale resourceVersion re-reads and retries).
-
-        Returns the updated object (None when it is gone)."""
-        assert self.kube is not None
-        meta = body.get("metadata") or {}
-        path = self._object_path(meta.get("namespace", ""), meta.get("name", ""))
-        current: Mapping[str, Any] | None = body
-        for _ in range(5):
-            if current is None:
-                return None
-            cmeta = current.get("metadata") or {}
-            finalizers = list(cmeta.get("finalizers") or [])
-            if (FINALIZER in finalizers) == add:
-                return dict(current)
-            finalizers = [*finalizers, FINALIZER] if add else [f for f in finalizers if f != FINALIZER]
-            patch = {"metadata": {"finalizers": finalizers, "resourceVersion": cmeta.get("resourceVersion")}}
-            try:
-                return await self.kube.merge_patch(path, patch)
-            except KubeError as e:
-                if e.status == 404:
-                    return None
-                if e.status != 409:
-                    raise
-            current = await self.kube.get(path)
-        raise KubeError(409, f"{path}: finalizers changed concurrently five times")
-
-    async def finalize_and_release(self, body: Mapping[str, Any]) -> None:
-        """Finalize a deleted DynamoModel, then remove our finalizer; retried with backoff."""
-        meta = body.get("metadata") or {}
-        delay = self.settings.retry_base
-        while True:
-            try:
-                unloaded = await self.finalize(body)
-                log.info("%s/%s: unloaded %s from %s", meta.get("namespace"), meta.get("name"),
-                         (body.get("spec") or {}).get("modelName"), unloaded or "no pod")  # fmt: skip
-                await self._edit_finalizers(body, add=False)
-                self._finalized.add(meta.get("uid", ""))
-                return
-            except Exception:
-                log.exception(
-                    "finalizing %s/%s failed; retrying in %.0f s", meta.get("namespace"), meta.get("name"), delay
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.settings.retry_max)
-
-    async def _ensure_finalizer(self, key: Key, body: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Before the first load of an object: put our finalizer on it (one PATCH, once).
-
-        Returns the object to reconcile (None: it is gone or being deleted meanwhile)."""
-        if self.kube is None or FINALIZER in ((body.get("metadata") or {}).get("finalizers") or []):
-            return dict(body)
-        try:
-            updated = await self._edit_finalizers(body, add=True)
-        except KubeError as e:
-            if e.status == 422:  # being deleted: no finalizer may be added any more
-                return None
-            raise
-        if updated is None or (updated.get("metadata") or {}).get("deletionTimestamp"):
-            return None
-        if key in self.models:
-            self.models[key] = updated
-        return updated
-
-    def _claim(self, key: Key, old: Model | None, new: Model | None) -> None:
-        """Keep ``claimants`` current; a change of who claims a name re-queues every claimant of it."""
-        before = old.served_name if old is not None and old.is_lora and not old.deleting else None
-        after = new.served_name if new is not None and new.is_lora and not new.deleting else None
-        if before == after:
-            return
-        for name in (before, after):
-            if name is None:
-                continue
-            if name == before:
-                self.claimants[name].discard(key)
-            else:
-                self.claimants[name].add(key)
-            for other in self.claimants[name]:
-                self.queue.add(other)
-            if not self.claimants[name]:
-                del self.claimants[name]
-
     def owner(self, model: Model) -> Model | None:
-        """The oldest live DynamoModel claiming ``model``'s served name (None if there is none)."""
-        keys = self.claimants.get(model.served_name)
-        if not keys:
-            return None
-        return min((self.parsed[k] for k in keys if k in self.parsed), key=lambda m: m.seniority, default=None)
+        """The oldest live DynamoModel claiming ``model``'s served name (see ``ModelIndex.owner``)."""
+        return self.index.owner(model)
+
+    def wanted(self, namespace: str, base_hash: str, name: str) -> bool:
+        return self.index.wanted(namespace, base_hash, name)
 
     def on_pod(self, kind: str | None, body: Mapping[str, Any]) -> None:
-        pod = Pod.from_body(body)
-        key = (pod.namespace, pod.name)
-        old = self.pods.get(key)
-        self._pod_groups.clear()
-        if kind == "DELETED":
-            self.pods.pop(key, None)
-            pod = dataclasses.replace(pod, ready=False)
-        else:
-            self.pods[key] = pod
+        old, pod = self.inventory.on_pod(kind, body)
         was = old is not None and old.ready and bool(old.ip)
         now = pod.ready and bool(pod.ip)
         moved = old is not None and (old.uid, old.ip, old.base_hash) != (pod.uid, pod.ip, pod.base_hash)
-        if old is not None and (moved or not now):
-            self.reconciler.forget_pod(old.uid)  # a restarted worker comes back empty
         if old is not None and was and (moved or not now):
             self._requeue_placed_on(old)
         if now and (not was or moved):
             self._requeue_taken_by(pod)
 
-    def _lora_models(self, namespace: str, base_hash: str | None) -> list[tuple[Key, Model]]:
-        return [
-            (k, m)
-            for k, m in self.parsed.items()
-            if k[0] == namespace and m.is_lora and not m.deleting and m.base_hash == base_hash
-        ]
-
     def _requeue_placed_on(self, pod: Pod) -> None:
         """A pod left: only the models it was placed on (or still listed as an endpoint) move."""
-        for key, model in self._lora_models(pod.namespace, pod.base_hash):
+        for key, model in self.index.loras_of(pod.namespace, pod.base_hash):
             endpoints = model.status.get("endpoints") or []
             if pod.name in (model.status.get("placement") or []) or any(
                 e.get("podName") == pod.name for e in endpoints
@@ -259,13 +145,12 @@ class Runtime:
 
     def _requeue_taken_by(self, pod: Pod) -> None:
         """A pod joined: only the models whose top-``replicas`` set it enters move."""
-        for key, model in self._lora_models(pod.namespace, pod.base_hash):
+        for key, model in self.index.loras_of(pod.namespace, pod.base_hash):
             replicas, _ = self.reconciler.replicas_for(model)
             if takes(model.model_name, model.status.get("placement") or [], replicas, pod.name):
                 self.queue.add(key)
-        for key, model in self.parsed.items():
-            if key[0] == pod.namespace and not model.is_lora and model.base_hash == pod.base_hash:
-                self.queue.add(key)  # base models list every pod
+        for key in self.index.bases_of(pod.namespace, pod.base_hash):
+            self.queue.add(key)  # base models list every pod
 
     def on_job(self, body: Mapping[str, Any], kind: str | None = None) -> None:
         meta = body.get("metadata") or {}
@@ -275,23 +160,12 @@ class Runtime:
         for owner in meta.get("ownerReferences") or []:
             if owner.get("kind") == "DynamoModel":
                 key = (meta.get("namespace", ""), owner.get("name", ""))
-                if key in self.models:
+                if key in self.index:
                     self.queue.add(key)
 
     def requeue_all(self) -> None:
-        for key in self.models:
+        for key in self.index:
             self.queue.add(key)
-
-    def pods_of(self, model: Model) -> list[Pod]:
-        """The pods of ``model``'s base model, sorted (kept per base model until a pod changes: a pass
-        then neither scans every pod nor sorts them again)."""
-        group = (model.namespace, model.base_hash)
-        pods = self._pod_groups.get(group)
-        if pods is None:
-            pods = self._pod_groups[group] = sorted(
-                p for p in self.pods.values() if p.namespace == model.namespace and p.base_hash == model.base_hash
-            )
-        return pods
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -306,14 +180,12 @@ class Runtime:
         self._tasks.append(asyncio.create_task(coro))
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._finalizing.values()]:
+        for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for task in list(self._finalizing.values()):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self.finalizers.stop()
         self._tasks = []
         await self.reconciler.client.close()
 
@@ -346,7 +218,7 @@ class Runtime:
             while True:
                 await asyncio.sleep(self.settings.autoscale_interval)
                 try:
-                    await autoscale_pass(self.reconciler.autoscaler, list(self.parsed.items()), demand, self.queue.add)
+                    await autoscale_pass(self.reconciler.autoscaler, list(self.index.items()), demand, self.queue.add)
                 except Exception:
                     log.exception("autoscale pass failed")
         finally:
@@ -354,12 +226,7 @@ class Runtime:
 
     async def drift(self) -> None:
         """One drift pass over every Ready worker pod (see ``drift.drift_pass``)."""
-        owners = [(k, m) for k, m in self.parsed.items() if m.is_lora and not m.deleting and self.owner(m) is m]
-        await drift_pass(self.reconciler, list(self.pods.values()), owners, self.queue.add, self.wanted)
-
-    def wanted(self, namespace: str, base_hash: str, name: str) -> bool:
-        """Whether a live LoRA DynamoModel in ``namespace`` claims ``name`` for that base model."""
-        return any(k[0] == namespace for k in self.claimants.get((base_hash, name), ()))
+        await drift_pass(self.inventory, self.reconciler.ledger, self.index.owners(), self.queue.add, self.wanted)
 
     async def _work(self) -> None:
         while True:
@@ -369,29 +236,31 @@ class Runtime:
             except Exception:
                 log.exception("reconcile of %s/%s failed", *key)
                 metrics.RECONCILES.labels("error").inc()
-                self.queue.add_after(key, self.settings.retry_base * 4)
+                self.queue.add_rate_limited(key)
             finally:
                 self.queue.done(key)
 
     async def reconcile_key(self, key: Key) -> None:
-        body = self.models.get(key)
+        body = self.index.body(key)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
-            body = await self._ensure_finalizer(key, body)
-            if body is None:
+            ensured = await self.finalizers.ensure(body)
+            if ensured is None:
                 return
-            model = Model.from_body(body)
+            if ensured is not body:
+                self.index.refresh(ensured)
+            model = Model.from_body(ensured)
             current: dict[str, Any] = dict(model.status)
             wrote = False
 
             async def write(new: dict[str, Any]) -> None:
                 nonlocal current, wrote
-                if await self._write(key, model, new, current):
+                if await self._write(model, new, current):
                     current, wrote = new, True
 
-            owner = self.owner(model)
+            owner = self.index.owner(model)
             started = time.monotonic()
             result = await self.reconciler.reconcile(
                 model,
@@ -401,20 +270,26 @@ class Runtime:
             )
             metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
             await write(result.status)
-            metrics.RECONCILES.labels("requeue" if result.requeue_after else "ok").inc()
+            outcome = "error" if result.failed else "requeue" if result.requeue_after else "ok"
+            metrics.RECONCILES.labels(outcome).inc()
             self._set_phase(key, result.status.get("phase"))
+            if result.failed:
+                self.queue.add_rate_limited(key)
+            else:
+                self.queue.forget(key)
             if result.requeue_after:
                 self.queue.add_after(key, result.requeue_after)
             if wrote and result.followup:  # one more pass sees the published status (leavers to unload)
                 self.queue.add(key)
 
-    async def _write(self, key: Key, model: Model, new: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
+    def pods_of(self, model: Model) -> list[Pod]:
+        return self.inventory.pods_of(model.namespace, model.base_hash)
+
+    async def _write(self, model: Model, new: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
         patch = st.status_patch(new, current)
         if not patch:
             return False
-        updated = await self.write_status(model, patch)
-        if updated is not None and key in self.models:
-            self.models[key] = updated
+        self.index.refresh(await self.write_status(model, patch))  # read at once by owner(), drift, next pass
         return True
 
     def _set_phase(self, key: Key, phase: str | None) -> None:
@@ -433,7 +308,7 @@ class Runtime:
         if not meta.get("deletionTimestamp"):
             body = {**body, "metadata": {**meta, "deletionTimestamp": st.now_iso()}}
         model = Model.from_body(body)
-        owner = self.owner(model)
+        owner = self.index.owner(model)
         self.on_model("MODIFIED", body)  # deleting: workers skip it, the name is handed over
         async with self._locks.setdefault(model.key, asyncio.Lock()):
             unloaded: list[str] = []
@@ -446,7 +321,7 @@ class Runtime:
                     await self._await_successor(model)
             elif model.is_lora:
                 unloaded = await self.reconciler.finalize(model, self.pods_of(model), self.settings.delete_timeout)
-        self.queue.forget(model.key)
+        self.queue.discard(model.key)
         self._set_phase(model.key, None)
         self.phases.pop(model.key, None)
         self._locks.pop(model.key, None)
@@ -456,7 +331,7 @@ class Runtime:
         """Wait (at most ``delete_timeout``) until the new owner of ``model``'s name serves it."""
         deadline = time.monotonic() + self.settings.delete_timeout
         while time.monotonic() < deadline:
-            successor = self.owner(model)
+            successor = self.index.owner(model)
             if successor is None or successor.status.get("readyEndpoints"):
                 return
             await asyncio.sleep(0.2)

@@ -31,8 +31,8 @@ One pass:
    Pods that left the placement are unloaded only once the status already published shows the
    new placement fully loaded and ``unload_grace`` seconds passed (routers saw it).
 6. a worker's 400 on a first load ends the model in ``Failed/AdapterInvalid`` until the source
-   changes (on a swap: ``Degraded/SwapFailed``); other failures are retried with exponential
-   backoff (``requeue_after``).
+   changes (on a swap: ``Degraded/SwapFailed``); other failures end the pass with
+   ``Result.failed``: the work queue retries the model with its per-key exponential backoff.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from lorafleet_sync.uris import HfURI, URIError, is_commit_sha, parse_uri
 from lorafleet_operator import metrics
 from lorafleet_operator import status as st
 from lorafleet_operator.autoscale import LIMITED_BY_CAPACITY, Autoscaler, Decision
+from lorafleet_operator.inventory import WorkerInventory
 from lorafleet_operator.ledger import Ledger, MemoryLedger
 from lorafleet_operator.placement import DEFAULT_EPSILON, Loads, place_balanced, place_within, relief
 from lorafleet_operator.resources import Model, Pod
@@ -89,13 +90,7 @@ class Result:
     # one more pass once this status is published (leavers are unloaded only after routers saw it);
     # False when the pass left nothing that waits for its own status (a cold start's loads)
     followup: bool = True
-
-
-@dataclass
-class _Listing:
-    names: set[str]
-    fetched: float
-    capacity: int | None = None  # adapters the pod can hold (None: unlimited / not reported)
+    failed: bool = False  # retry with backoff (the work queue owns the failure count: add_rate_limited)
 
 
 @dataclass(frozen=True)
@@ -121,7 +116,7 @@ class _Source:
 
 
 class Reconciler:
-    """Reconciles DynamoModels; holds the per-pod listing cache and what it loaded where."""
+    """Reconciles DynamoModels against the worker inventory (what each pod holds), which it updates."""
 
     def __init__(
         self,
@@ -133,7 +128,7 @@ class Reconciler:
         emit: EventSink | None = None,
         ledger: Ledger | None = None,
         listing_ttl: float = 30.0,
-        retry_base: float = 1.0,
+        inventory: WorkerInventory | None = None,
         retry_max: float = 60.0,
         unload_grace: float = 5.0,
         balance_epsilon: float = DEFAULT_EPSILON,
@@ -147,9 +142,8 @@ class Reconciler:
         self.sync = sync
         self.emit: EventSink = emit or (lambda *_: None)
         self.ledger: Ledger = ledger or MemoryLedger()
-        self.listing_ttl = listing_ttl
-        self.retry_base = retry_base
-        self.retry_max = retry_max
+        self.inventory = inventory or WorkerInventory(client, management_port, listing_ttl)
+        self.retry_max = retry_max  # an autoscaled model short of room looks again after this long
         self.unload_grace = unload_grace
         if balance not in BALANCE_SCOPES or balance_epsilon < 0:
             raise ValueError(f"balance must be one of {BALANCE_SCOPES}, epsilon >= 0: {balance}, {balance_epsilon}")
@@ -157,99 +151,16 @@ class Reconciler:
         self.balance = balance
         self.autoscaler = autoscaler or Autoscaler()
         self.progress_after = progress_after  # a first load publishes "Loading" only once it takes this long
-        self._listings: dict[str, _Listing] = {}
-        self._listing_locks: dict[str, asyncio.Lock] = {}
-        self._loaded: dict[tuple[str, str], str] = {}  # (pod uid, lora name) -> URI we loaded / adopted
         self._invalid: dict[str, tuple[str, str]] = {}  # model uid -> (URI, worker message)
-        self._failures: dict[str, int] = {}  # model uid -> consecutive failed passes
         self._settled: dict[str, tuple[tuple[str, ...], float]] = {}  # model uid -> (placement, first seen)
-
-    # ---- cache management -------------------------------------------------------------
-    def invalidate_listings(self) -> None:
-        """Force a fresh ``GET /v1/loras`` of every pod on its next use."""
-        self._listings.clear()
-
-    async def fresh_listing(self, pod: Pod) -> set[str] | None:
-        """``GET /v1/loras`` now (the drift pass), kept as the pod's cached listing; None on failure."""
-        names = await self._fetch_listing(pod)
-        return None if names is None else set(names)
-
-    async def _fetch_listing(self, pod: Pod) -> set[str] | None:
-        """``GET /v1/loras`` now, kept (names and capacity) as the pod's cached listing."""
-        try:
-            inventory = await self.client.inventory(pod.address(self.port))
-        except WorkerError as e:
-            log.warning("cannot list adapters on pod %s: %s", pod.name, e)
-            return None
-        self._listings[pod.uid] = _Listing(set(inventory.names), time.monotonic(), inventory.capacity)
-        return self._listings[pod.uid].names
-
-    async def unload_name(self, pod: Pod, name: str) -> bool:
-        """Unload an adapter no DynamoModel stands for (an orphan); True when it is gone."""
-        try:
-            await self.client.unload(pod.address(self.port), name)
-        except WorkerError as e:
-            log.warning("unloading orphan %s from pod %s failed: %s", name, pod.name, e)
-            return False
-        self._note(pod, name, None)
-        return True
-
-    def forget_pod(self, uid: str) -> None:
-        """Drop what we know about a pod (it restarted, became unready or is gone)."""
-        self._listings.pop(uid, None)
-        lock = self._listing_locks.get(uid)
-        if lock is not None and not lock.locked():
-            del self._listing_locks[uid]
-        for key in [k for k in self._loaded if k[0] == uid]:
-            del self._loaded[key]
 
     def forget_model(self, model: Model, *, keep_loaded: bool = False) -> None:
         """Forget a deleted model (``keep_loaded``: its adapter stays, a successor owns the name)."""
         self._invalid.pop(model.uid, None)
-        self._failures.pop(model.uid, None)
         self._settled.pop(model.uid, None)
         self.autoscaler.forget(model.uid)
         if not keep_loaded:
-            for key in [k for k in self._loaded if k[1] == model.model_name]:
-                del self._loaded[key]
-
-    async def listing(self, pod: Pod) -> set[str] | None:
-        """Adapter names on ``pod`` (cached), or None when it cannot be listed."""
-        cached = self._listings.get(pod.uid)
-        if cached and time.monotonic() - cached.fetched < self.listing_ttl:
-            return cached.names
-        lock = self._listing_locks.setdefault(pod.uid, asyncio.Lock())
-        async with lock:
-            cached = self._listings.get(pod.uid)
-            if cached and time.monotonic() - cached.fetched < self.listing_ttl:
-                return cached.names
-            return await self._fetch_listing(pod)
-
-    async def _listings_of(self, pods: Sequence[Pod]) -> dict[Pod, set[str] | None]:
-        """``listing`` of each pod: cached ones at once, only stale ones fetched (concurrently)."""
-        now = time.monotonic()
-        out: dict[Pod, set[str] | None] = {}
-        stale: list[Pod] = []
-        for pod in pods:
-            cached = self._listings.get(pod.uid)
-            if cached is not None and now - cached.fetched < self.listing_ttl:
-                out[pod] = cached.names
-            else:
-                stale.append(pod)
-        if stale:
-            out.update(zip(stale, await asyncio.gather(*(self.listing(p) for p in stale)), strict=True))
-        return out
-
-    def _note(self, pod: Pod, name: str, uri: str | None) -> None:
-        listing = self._listings.get(pod.uid)
-        if uri is None:
-            self._loaded.pop((pod.uid, name), None)
-            if listing:
-                listing.names.discard(name)
-        else:
-            self._loaded[(pod.uid, name)] = uri
-            if listing:
-                listing.names.add(name)
+            self.inventory.forget_name(model.model_name)
 
     # ---- reconcile ---------------------------------------------------------------------
     async def reconcile(
@@ -294,7 +205,7 @@ class Reconciler:
             return self._done(model, obs.observe(st.PENDING, cond), ok=True)
 
         live = sorted(p for p in pods if (p.ready or p.serving) and p.ip)  # terminating pods still serve
-        listings = await self._listings_of(live)
+        listings = await self.inventory.listings_of(live)
         placement = self._place(model, ready_pods, replicas, listings, balanced=self._balanced(scaling))
         self._count_churn(model, [p.name for p in placement])
         short = min(replicas, len(ready_pods)) - len(placement)  # replicas no pod has room for
@@ -372,7 +283,10 @@ class Reconciler:
         requeue = await self._unload_leavers(model, names, target, leavers)
         result = self._done(model, observed, ok=not short)  # short: look again for room, with backoff
         limited_retry = self.retry_max if limited else None  # autoscaled, above minReplicas: look again for room
-        result.requeue_after = _earliest(result.requeue_after, source.requeue, requeue, limited_retry)
+        # fewer Ready pods than replicas: a pod joining re-queues it (``placement.takes``); look again anyway,
+        # so that an event missed or read against a stale status never leaves it under-replicated for good
+        under = self.retry_max if len(placement) < replicas else None
+        result.requeue_after = _earliest(source.requeue, requeue, limited_retry, under)
         result.followup = bool(leavers)
         return result
 
@@ -425,7 +339,7 @@ class Reconciler:
     def _needs_load(self, model: Model, pod: Pod, uri: str, names: set[str] | None) -> bool:
         if names is None or model.model_name not in names:
             return True  # unlistable pods get a load attempt: its outcome tells whether they serve it
-        known = self._loaded.get((pod.uid, model.model_name))
+        known = self.inventory.loaded_uri(pod, model.model_name)
         if known is not None:
             return known != uri
         # after an operator restart: trust the published status for this pod (no double load)
@@ -433,22 +347,22 @@ class Reconciler:
             e.get("podName") == pod.name and e.get("ready") for e in model.status.get("endpoints") or []
         )
         if published:
-            self._loaded[(pod.uid, model.model_name)] = uri
+            self.inventory.adopt(pod, model.model_name, uri)
             return False
         return True
 
     async def _load(self, model: Model, pod: Pod, uri: str) -> WorkerError | _Loaded:
-        previous = self._loaded.get((pod.uid, model.model_name))
+        previous = self.inventory.loaded_uri(pod, model.model_name)
         started = time.monotonic()
         try:
             await self.client.load(pod.address(self.port), model.model_name, uri)
         except WorkerError as e:
             if e.full:
-                self._listings.pop(pod.uid, None)  # our view of its load was stale: list it again
+                self.inventory.drop_listing(pod)  # our view of its load was stale: list it again
             if not e.invalid:
                 self.emit(model, WARNING, "LoadFailed", f"loading {uri} on pod {pod.name} failed: {e}")
             return e
-        self._note(pod, model.model_name, uri)
+        self.inventory.note(pod, model.model_name, uri)
         return _Loaded(pod.name, bool(previous and previous != uri), time.monotonic() - started)
 
     def _emit_loaded(self, model: Model, uri: str, loaded: list[_Loaded]) -> None:
@@ -468,7 +382,7 @@ class Reconciler:
         except WorkerError as e:
             self.emit(model, WARNING, "UnloadFailed", f"unloading from pod {pod.name} failed: {e}")
             return False
-        self._note(pod, model.model_name, None)
+        self.inventory.note(pod, model.model_name, None)
         self.emit(model, NORMAL, "Unloaded", f"unloaded from pod {pod.name}")
         return True
 
@@ -478,16 +392,7 @@ class Reconciler:
         Gone pods are not in ``pods``; unreachable ones fail fast or time out; neither blocks.
         Returns the names of the pods it was unloaded from."""
         placed = set(model.status.get("placement") or [])
-        targets = [
-            p
-            for p in pods
-            if p.ip
-            and (
-                p.name in placed
-                or model.model_name in (self._listings.get(p.uid, _Listing(set(), 0)).names)
-                or (p.uid, model.model_name) in self._loaded
-            )
-        ]
+        targets = [p for p in pods if p.ip and (p.name in placed or self.inventory.may_hold(p, model.model_name))]
         tasks = {asyncio.create_task(self._unload(model, p)): p for p in targets}
         done: set[asyncio.Task[bool]] = set()
         if tasks:
@@ -553,14 +458,9 @@ class Reconciler:
         observed = _Observed(model, synced, None, None, None, None).observe(phase, cond, endpoints, [])
         return self._done(model, observed, ok=True)
 
-    def _done(self, model: Model, observed: st.Observed, *, ok: bool) -> Result:
-        if ok:
-            self._failures.pop(model.uid, None)
-            requeue = None
-        else:
-            n = self._failures[model.uid] = self._failures.get(model.uid, 0) + 1
-            requeue = min(self.retry_max, self.retry_base * 2 ** (n - 1))
-        return Result(st.render(observed, model.status), requeue_after=requeue)
+    @staticmethod
+    def _done(model: Model, observed: st.Observed, *, ok: bool) -> Result:
+        return Result(st.render(observed, model.status), failed=not ok)
 
     def _balanced(self, scaling: Decision | None) -> bool:
         return self.balance == "all" or (self.balance == "autoscaled" and scaling is not None)
@@ -580,8 +480,7 @@ class Reconciler:
         by_name = {p.name: p for p in ready_pods}
 
         def fits(pod: str, name: str = model_name) -> bool:  # capacity left for ``name`` (no copy of the listing)
-            listing = self._listings.get(by_name[pod].uid)
-            cap = listing.capacity if listing is not None else None
+            cap = self.inventory.capacity(by_name[pod])
             names = listings[by_name[pod]] or set()
             return cap is None or len(names) - (name in names) < cap
 

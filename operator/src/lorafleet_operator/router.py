@@ -9,10 +9,13 @@ aiohttp process that can run several replicas):
 - any other name -> Ready pods labelled ``nvidia.com/dynamo-base-model-hash`` = sha256(name)[:8]
   (base models; known base names come from DynamoModels' ``baseModelName`` / base entries).
 
-A connection failure before the first response byte, or a 404/503 from a worker that has just
-dropped the adapter, is retried on another endpoint; once bytes flowed they pass through
-unchanged (streaming included). ``/v1/models`` lists base models with a Ready pod and adapters
-with a ready endpoint. Unknown model -> 404 in OpenAI's error shape.
+A connection failure before the first response byte (a pod that died, was killed mid-request, or
+refuses connections), or a 404/503 from a worker that has just dropped the adapter, is retried on
+another endpoint. A non-streamed answer is read whole from the worker before the client sees a
+byte, so a worker dying while it sends it is retried too; a stream passes through as it comes,
+and breaks if its worker dies after its first byte (the client sees the connection end early).
+``/v1/models`` lists base models with a Ready pod and adapters with a ready endpoint. Unknown model ->
+404 in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -226,13 +229,14 @@ class Router:
             return openai_error(404, f"The model `{name}` does not exist.", "model_not_found")
         kind, endpoints = resolved
         model = self.table.adapter(name) if kind == "adapter" else None
+        streaming = bool(payload.get("stream"))
         if model is None:
-            return await self._forward(request, raw, name, kind, endpoints, None)
+            return await self._forward(request, raw, name, kind, endpoints, None, streaming=streaming)
         key = (model.namespace, model.name, model.model_name)
         self.demand.arrive(key)
         state = {"dispatched": False}
         try:
-            return await self._forward(request, raw, name, kind, endpoints, model, key, state)
+            return await self._forward(request, raw, name, kind, endpoints, model, key, state, streaming=streaming)
         finally:
             self.demand.finish(key, dispatched=state["dispatched"])
 
@@ -246,8 +250,11 @@ class Router:
         model: Model | None,
         key: tuple[str, str, str] | None = None,
         state: dict[str, bool] | None = None,
+        *,
+        streaming: bool = True,
     ) -> web.StreamResponse:
-        """Send the request to a holder; ``key``/``state``: the adapter's demand accounting."""
+        """Send the request to a holder; ``key``/``state``: the adapter's demand accounting;
+        not ``streaming``: the answer is read whole before the client gets any of it (retryable)."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         tried: set[str] = set()
         last: tuple[int, bytes, str] | None = None
@@ -289,6 +296,15 @@ class Router:
                     if self.choose(endpoints, tried) is not None or kind == "adapter":
                         sent(False)
                         continue
+                if not streaming:
+                    try:
+                        body = await upstream.read()
+                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
+                        log.info("endpoint %s failed while answering (%s); trying another", endpoint, e)
+                        sent(False)
+                        continue
+                    metrics.ROUTER_REQUESTS.labels(kind, str(upstream.status)).inc()
+                    return web.Response(status=upstream.status, body=body, headers=_passed_headers(upstream))
                 return await self._relay(request, upstream, kind)
             finally:
                 upstream.release()
@@ -305,16 +321,35 @@ class Router:
         metrics.ROUTER_INFLIGHT.dec()
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, kind: str) -> web.StreamResponse:
-        response = web.StreamResponse(status=upstream.status)
-        for key, value in upstream.headers.items():
-            if key.lower() not in HOP_BY_HOP:
-                response.headers[key] = value
+        """Pass a (streamed) answer through as it comes. A worker dying after the first byte breaks the
+        client's stream too (its connection is closed mid-body); a client leaving ends the relay. Neither
+        is an error of the router's (no traceback, counted as ``broken`` / ``499``)."""
+        response = web.StreamResponse(status=upstream.status, headers=_passed_headers(upstream))
         await response.prepare(request)
-        async for chunk in upstream.content.iter_any():
-            await response.write(chunk)
-        await response.write_eof()
+        try:
+            while True:
+                try:
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
+                    log.warning("stream from %s broke after its first byte: %s", upstream.url.host, e or type(e))
+                    metrics.ROUTER_REQUESTS.labels(kind, "broken").inc()
+                    if request.transport is not None:
+                        request.transport.close()
+                    return response
+                if not chunk:
+                    break
+                await response.write(chunk)
+            await response.write_eof()
+        except ConnectionResetError:
+            log.info("client of a stream from %s went away", upstream.url.host)
+            metrics.ROUTER_REQUESTS.labels(kind, "499").inc()
+            return response
         metrics.ROUTER_REQUESTS.labels(kind, str(upstream.status)).inc()
         return response
+
+
+def _passed_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
 
 
 async def run_router(settings: Settings) -> None:

@@ -176,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model's tool-call format (hermes: Hermes/Qwen; llama3_json)",
     )
     serve.add_argument(
+        "--health-stall-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=60.0,
+        help="/health fails when the engine loop made no progress for this long with requests waiting "
+        "(a wedged step), so the kubelet restarts the worker; 0 = check only that the loop is alive (default 60)",
+    )
+    serve.add_argument(
         "--admin-token-file", metavar="FILE", type=Path, help="file holding the management API's bearer token"
     )
 
@@ -253,6 +261,7 @@ def _serve(args: argparse.Namespace) -> int:
         chat_template=_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        stall_timeout_s=max(0.0, args.health_stall_timeout),
         lora_enabled=os.environ.get("DYN_LORA_ENABLED", "true").strip().lower() not in _FALSE,
     )
     log.info(

@@ -228,6 +228,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.progress_at = time.monotonic()  # last step, or last moment with nothing to do (read by /health)
 
     def _plan_memory(
         self, budget: MemoryBudget, free: int | None, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
@@ -256,6 +257,11 @@ class Engine:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_pending(self) -> int:
+        """Requests submitted and not yet ended (event-loop thread)."""
+        return len(self._requests)
 
     async def start(self) -> None:
         """Start the step loop (idempotent)."""
@@ -325,6 +331,8 @@ class Engine:
             ),
         )
         req = _Request(seq)
+        if not self._requests:  # work starts now: a stall is measured from here
+            self.progress_at = time.monotonic()
         self._requests[request_id] = req
         with self._cond:
             self._inbox.append(seq)
@@ -420,6 +428,7 @@ class Engine:
             if aborts:
                 self._apply_aborts(aborts)
             if not sched.has_work():
+                self.progress_at = time.monotonic()
                 continue
             try:
                 plan = sched.schedule()
@@ -443,6 +452,7 @@ class Engine:
                 self._fail([c.seq for c in plan.chunks], exc)
             if self._kv_events is not None:
                 self._kv_events.flush()
+            self.progress_at = time.monotonic()
         self._shutdown()
 
     def _step(self, plan: StepPlan) -> None:

@@ -31,8 +31,6 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from lorafleet_worker.kv_cache import ROOT_HASH, PagedKVCache, hash_block
 from lorafleet_worker.sampling import SamplingParams, SamplingState
 

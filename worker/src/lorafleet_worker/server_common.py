@@ -52,17 +52,23 @@ def install_error_handlers(app: FastAPI, render: ErrorRenderer) -> None:
 
 
 def add_probe_routes(app: FastAPI, service: WorkerService) -> None:
-    """`/health` (liveness), `/ready` (model loaded, engine running) and `/metrics` (Prometheus)."""
+    """`/health` (liveness: 503 once the engine loop died or stalled, see `WorkerService.unhealthy`),
+    `/ready` (model loaded and healthy) and `/metrics` (Prometheus)."""
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "healthy"}
+    async def health() -> JSONResponse:
+        problem = service.unhealthy()
+        if problem is None:
+            return JSONResponse({"status": "healthy"})
+        log.error("health check failed: %s", problem)
+        return JSONResponse({"status": "error", "message": problem}, status_code=503)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
         if service.ready:
             return JSONResponse({"status": "ready", "model": service.model_name})
-        return JSONResponse({"status": "error", "message": "the model is still loading"}, status_code=503)
+        message = service.unhealthy() or "the model is still loading"
+        return JSONResponse({"status": "error", "message": message}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -56,6 +56,7 @@ class WorkerSettings:
     chat_template: str | None = None  # Jinja source replacing the model's chat template (--chat-template)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses calls (--enable-auto-tool-choice)
     tool_call_parser: str | None = None  # hermes | llama3_json (--tool-call-parser)
+    stall_timeout_s: float = 60.0  # /health fails after this long without engine progress while work waits (0: never)
 
     def engine_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -131,8 +132,22 @@ class WorkerService:
 
     @property
     def ready(self) -> bool:
-        """Model loaded and the engine's step loop alive."""
-        return self._engine is not None and bool(getattr(self._engine, "running", True))
+        """Model loaded and the engine's step loop alive and making progress."""
+        return self._engine is not None and self.unhealthy() is None
+
+    def unhealthy(self) -> str | None:
+        """Why the worker should be restarted, or None: its engine loop died, or made no progress for
+        `stall_timeout_s` with requests waiting (a wedged step). A model still loading is healthy."""
+        engine = self._engine
+        if engine is None:
+            return None
+        if not engine.running:
+            return "the engine loop has stopped"
+        timeout = self.settings.stall_timeout_s
+        stalled = time.monotonic() - engine.progress_at
+        if timeout > 0 and engine.num_pending > 0 and stalled > timeout:
+            return f"the engine loop made no progress for {stalled:.0f}s with {engine.num_pending} requests pending"
+        return None
 
     async def start(self) -> None:
         """Load tokenizer and model (off the event loop), then start the engine's step loop."""
