@@ -59,7 +59,6 @@ CHECK_PROMPTS = (
 )
 CHECK_TOKENS = 24
 CHECK_ADAPTERS = 4
-THREADS = os.cpu_count() or 1
 
 
 # ---------------------------------------------------------------------------------------------- adapters
@@ -124,7 +123,9 @@ class Server:
         return None
 
 
-def start_lorafleet(model: Path, adapters: list[tuple[str, Path]], precision: str, workdir: Path) -> Server:
+def start_lorafleet(
+    model: Path, adapters: list[tuple[str, Path]], precision: str, workdir: Path, threads: int
+) -> Server:
     from lorafleet_worker.demo import free_port, launch_worker, wait_ready
 
     host = "127.0.0.1"
@@ -132,7 +133,8 @@ def start_lorafleet(model: Path, adapters: list[tuple[str, Path]], precision: st
     args = [*LORAFLEET_PRECISIONS[precision], "--max-loras", str(max(1, len(adapters))), "--max-num-seqs", "32"]
     args += ["--max-model-len", str(SLOT_CTX)]
     roots = os.pathsep.join(sorted({str(p.parent) for _, p in adapters})) or str(workdir)
-    env = {"LORAFLEET_FILE_ROOTS": roots, "DYN_LORA_PATH": str(workdir / "cache"), "LORAFLEET_ADMIN_TOKEN": ""}
+    env = {"LORAFLEET_FILE_ROOTS": roots, "DYN_LORA_PATH": str(workdir / "cache"), "LORAFLEET_ADMIN_TOKEN": "",
+           "OMP_NUM_THREADS": str(threads)}  # fmt: skip
     log_file = (workdir / f"lorafleet-{precision}.log").open("ab")
     proc = launch_worker(
         model, name="base", host=host, port=port, system_port=system_port, args=args, env=env, log=log_file
@@ -149,11 +151,13 @@ def start_lorafleet(model: Path, adapters: list[tuple[str, Path]], precision: st
     return Server("lorafleet", f"http://{host}:{port}", proc)
 
 
-def start_llama(model: Path, adapters: list[tuple[str, Path]], ggufs: list[Path], workdir: Path, tag: str) -> Server:
+def start_llama(
+    model: Path, adapters: list[tuple[str, Path]], ggufs: list[Path], workdir: Path, tag: str, threads: int
+) -> Server:
     from lorafleet_worker.demo import free_port
 
     port = free_port("127.0.0.1")
-    cmd = llama_cpp.server_command(model, ggufs, port=port, parallel=32, ctx_per_slot=SLOT_CTX, threads=THREADS)
+    cmd = llama_cpp.server_command(model, ggufs, port=port, parallel=32, ctx_per_slot=SLOT_CTX, threads=threads)
     log_file = (workdir / f"llama-{tag}.log").open("ab")
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -227,7 +231,9 @@ async def timed_pass(server: Server, prompts: list[list[int]], adapters: list[st
             gaps.extend(g)
             tokens += n
 
-    limits = httpx.Limits(max_connections=c + 4)
+    # a new connection per request: llama-server (cpp-httplib) closes a kept-alive one after 5 requests, and a
+    # pooled connection closed under the client reads as "Server disconnected"; both servers get the same
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(c)))
@@ -275,8 +281,8 @@ def run_pair(
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     result: dict[str, Any] = {"pair": pair, "scenario": scenario, "adapters": len(adapters), "runs": {}}
     starts = {
-        "lorafleet": lambda: start_lorafleet(model, adapters, precision, workdir),
-        "llama.cpp": lambda: start_llama(base, adapters, ggufs, workdir, f"{ftype}-{scenario}"),
+        "lorafleet": lambda: start_lorafleet(model, adapters, precision, workdir, args.threads),
+        "llama.cpp": lambda: start_llama(base, adapters, ggufs, workdir, f"{ftype}-{scenario}", args.threads),
     }
     for rnd in range(args.rounds):
         order = ["lorafleet", "llama.cpp"] if rnd % 2 == 0 else ["llama.cpp", "lorafleet"]
@@ -304,7 +310,7 @@ def run_pair(
 
 
 async def _texts(server: Server, names: list[str | None], prompts: list[list[int]]) -> list[str]:
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         return [await complete(client, server, p, n) for n in names for p in prompts]
 
 
@@ -350,6 +356,7 @@ def main() -> None:
     parser.add_argument("--pairs", nargs="+", default=["f32:F32", "bf16:BF16", "int8:Q8_0"])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="per server (default: all CPUs)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds per server, interleaved (default 1)")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the greedy agreement check")
     parser.add_argument("--out", default="peers", help="bench/<out>.json (default peers)")
@@ -360,7 +367,7 @@ def main() -> None:
             parser.error(
                 f"--pairs {pair}: want LORAFLEET:GGUF with {sorted(LORAFLEET_PRECISIONS)} and {llama_cpp.FTYPES}"
             )
-    payload: dict[str, Any] = {"machine": machine(), "llama_cpp": llama_cpp.VERSION, "threads": THREADS,
+    payload: dict[str, Any] = {"machine": machine(), "llama_cpp": llama_cpp.VERSION, "threads": args.threads,
                                "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN}  # fmt: skip
     try:
         llama_cpp.build()
@@ -372,13 +379,14 @@ def main() -> None:
     trained, is_trained = trained_or_generated(model)
     payload["adapters"] = "trained (demo.train_adapters)" if is_trained else "generated stand-ins (same ranks/targets)"
     results = []
-    with tempfile.TemporaryDirectory(prefix="lorafleet-peers-") as tmp:
-        for pair in args.pairs:
-            for scenario in args.scenarios:
-                results.append(run_pair(pair, scenario, model, trained, args, Path(tmp)))
-                payload["results"] = results
-                payload["ratios"] = summarize(results)
-                write_json(args.out, payload)  # after each scenario: a long run keeps what it measured
+    workdir = Path(tempfile.mkdtemp(prefix="lorafleet-peers-"))
+    log(f"server logs in {workdir}")
+    for pair in args.pairs:
+        for scenario in args.scenarios:
+            results.append(run_pair(pair, scenario, model, trained, args, workdir))
+            payload["results"] = results
+            payload["ratios"] = summarize(results)
+            write_json(args.out, payload)  # after each scenario: a long run keeps what it measured
     payload["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     write_json(args.out, payload)
 

@@ -88,7 +88,7 @@ def server_command(
     """llama-server serving `model` with `adapters` (ids in list order, scale 0 until a request names them)."""
     cmd = [str(HOME / "bin" / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-np", str(parallel), "-c", str(parallel * ctx_per_slot), "-t", str(threads), "-tb", str(threads)]
-    cmd += ["--no-webui", "--cont-batching", "--log-disable"]
+    cmd += ["--no-webui", "--cont-batching", "--cache-ram", "0"]  # no prompt cache: every prompt is new anyway
     for a in adapters:
         cmd += ["--lora", str(a)]
     if adapters:
