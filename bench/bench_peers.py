@@ -58,6 +58,8 @@ CHECK_PROMPTS = (
     "def fibonacci(n):",
 )
 CHECK_TOKENS = 24
+# llama.cpp's weight repacking per GGUF type: off for the quantized ones (it segfaults on load here, llama_cpp.py)
+REPACK = {"F32": True, "BF16": True, "Q8_0": False, "Q4_K_M": False}
 CHECK_ADAPTERS = 4
 
 
@@ -157,7 +159,9 @@ def start_llama(
     from lorafleet_worker.demo import free_port
 
     port = free_port("127.0.0.1")
-    cmd = llama_cpp.server_command(model, ggufs, port=port, parallel=32, ctx_per_slot=SLOT_CTX, threads=threads)
+    cmd = llama_cpp.server_command(
+        model, ggufs, port=port, parallel=32, ctx_per_slot=SLOT_CTX, threads=threads, repack=REPACK[tag.split("-")[0]]
+    )
     log_file = (workdir / f"llama-{tag}.log").open("ab")
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -83,12 +83,18 @@ def adapter_gguf(adapter: Path, base_model: Path) -> Path:
 
 
 def server_command(
-    model: Path, adapters: list[Path], *, port: int, parallel: int, ctx_per_slot: int, threads: int
+    model: Path, adapters: list[Path], *, port: int, parallel: int, ctx_per_slot: int, threads: int, repack: bool
 ) -> list[str]:
-    """llama-server serving `model` with `adapters` (ids in list order, scale 0 until a request names them)."""
+    """llama-server serving `model` with `adapters` (ids in list order, scale 0 until a request names them).
+
+    `repack=False` turns off the CPU backend's weight repacking (its AMX / AVX512 layouts for quantized types):
+    on this benchmark's AMX Xeon, loading the Q8_0 model with repacking on segfaults (build 0.3.36).
+    """
     cmd = [str(HOME / "bin" / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-np", str(parallel), "-c", str(parallel * ctx_per_slot), "-t", str(threads), "-tb", str(threads)]
     cmd += ["--no-webui", "--cont-batching", "--cache-ram", "0"]  # no prompt cache: every prompt is new anyway
+    if not repack:
+        cmd.append("--no-repack")
     for a in adapters:
         cmd += ["--lora", str(a)]
     if adapters:
