@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 import llama_cpp
-from common import MIXED_RANKS, bench_adapter, log, machine, percentile, real_model, write_json
+from common import MIXED_RANKS, bench_adapter, log, machine, percentile, read_json, real_model, write_json
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 64
@@ -364,6 +364,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="rounds per server, interleaved (default 1)")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the greedy agreement check")
     parser.add_argument("--out", default="peers", help="bench/<out>.json (default peers)")
+    parser.add_argument("--merge", action="store_true", help="keep the other (pair, scenario) results of --out")
     args = parser.parse_args()
     for pair in args.pairs:
         precision, ftype = pair.partition(":")[::2]
@@ -382,7 +383,9 @@ def main() -> None:
     model = real_model()
     trained, is_trained = trained_or_generated(model)
     payload["adapters"] = "trained (demo.train_adapters)" if is_trained else "generated stand-ins (same ranks/targets)"
-    results = []
+    previous = (read_json(args.out) or {}).get("results", []) if args.merge else []
+    redo = {(p, sc) for p in args.pairs for sc in args.scenarios}
+    results = [r for r in previous if (r["pair"], r["scenario"]) not in redo]
     workdir = Path(tempfile.mkdtemp(prefix="lorafleet-peers-"))
     log(f"server logs in {workdir}")
     for pair in args.pairs:
