@@ -152,6 +152,60 @@ def plot_engine(data: dict[str, Any], png: str, workload: str) -> None:
     fig.savefig(results_dir() / png, dpi=110)
 
 
+def peers_section(data: dict[str, Any]) -> list[str]:
+    """lorafleet vs llama.cpp's llama-server (`bench_peers.py`): greedy agreement, ratios, each run's figures."""
+    lines = ["## lorafleet vs llama.cpp llama-server (`make bench-peers`)", ""]
+    if data.get("skipped"):
+        return [*lines, f"skipped: {data['skipped']}", ""]
+    setup = (f"llama.cpp from llama-cpp-python {data['llama_cpp']}; {data['threads']} threads each; prompts of "
+             f"{data['prompt_len']} token ids, {data['output_len']} output tokens, greedy, ignore_eos; adapters: "
+             f"{data.get('adapters')}. Pairs are lorafleet : GGUF type.")  # fmt: skip
+    lines += [machine_line(data["machine"]), "", setup, ""]
+    agree = [[r["pair"], r["scenario"], g["adapter"], f"{g['agree']}/{g['of']}", joined(g["first_diff"])]
+             for r in data.get("results", []) for g in r.get("greedy", [])]  # fmt: skip
+    if agree:
+        lines += ["Greedy agreement (24 tokens, real-text prompts; first differing character where they differ):", ""]
+        lines += [table(["pair", "scenario", "adapter", "same text", "first diff at"], agree), ""]
+    rows = [[r["pair"], r["scenario"], r["concurrency"], r["lorafleet_tok_s"], r["llama_tok_s"], r["tok_s_ratio"],
+             r["lorafleet_itl_p50_ms"], r["llama_itl_p50_ms"], r["itl_ratio"]]
+            for r in data.get("ratios", [])]  # fmt: skip
+    header = ["pair", "scenario", "conc.", "lorafleet tok/s", "llama.cpp tok/s", "tok/s ÷", "lorafleet ITL p50 ms",
+              "llama.cpp ITL p50 ms", "ITL ÷"]  # fmt: skip
+    lines += ["Ratios (output tokens/s of wall time, prefill included; best round):", "", table(header, rows), ""]
+    runs = [[r["pair"], r["scenario"], system, c, x["tok_s"], x["ttft_p50_ms"], x["itl_p50_ms"], x["itl_p99_ms"],
+             r.get("peak_rss_mib", {}).get(system), x["loadavg_1"]]
+            for r in data.get("results", []) for system, by_c in r["runs"].items() for c, xs in by_c.items()
+            for x in xs]  # fmt: skip
+    header = ["pair", "scenario", "server", "conc.", "tok/s", "TTFT p50 ms", "ITL p50 ms", "ITL p99 ms",
+              "peak RSS MiB", "load 1m"]  # fmt: skip
+    return [*lines, "Every run:", "", table(header, runs), ""]
+
+
+def plot_peers(data: dict[str, Any], png: str) -> None:
+    """lorafleet ÷ llama.cpp output tok/s across concurrency, one line per (pair, scenario)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for r in data.get("ratios", []):
+        lines.setdefault(f"{r['pair']} {r['scenario']}", []).append((r["concurrency"], r["tok_s_ratio"]))
+    for label, points in sorted(lines.items()):
+        points.sort()
+        ax.plot([c for c, _ in points], [v for _, v in points], marker="o", label=label)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("lorafleet ÷ llama.cpp (output tok/s)")
+    ax.set_title("lorafleet vs llama.cpp llama-server, SmolLM2-135M, CPU")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(results_dir() / png, dpi=110)
+    plt.close(fig)
+
+
 def sim_section(sim: dict[str, Any] | None) -> list[str]:
     """The placement simulation (``sim_placement.py --out sim_placement --plot``): one row per policy and fleet."""
     lines = ["## Placement simulation: fixed R, all pods, affinity, demand-aware replicas (`sim_placement.py`)", ""]
@@ -208,6 +262,12 @@ def main() -> None:
     lines += engine_section(varied, "engine_varied") if varied else []
     for path in sorted(results_dir().glob("engine_ab*.json")):  # `--ab` runs (copies kept under other names)
         lines += ab_section(json.loads(path.read_text()), path.name)
+    peers = read_json("peers")
+    if peers:
+        lines += peers_section(peers)
+        if peers.get("ratios"):
+            plot_peers(peers, "peers.png")
+            lines += ["![lorafleet ÷ llama.cpp across concurrency](peers.png)", ""]
     micro = read_json("micro_lora")
     if micro:
         lines += ["## LoRA backend micro-benchmark (`micro_lora.py`)", "", machine_line(micro["machine"]), ""]

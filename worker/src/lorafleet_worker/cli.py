@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         "bf16 on GPU; on CPU bf16 only with AMX/AVX512-BF16, else float32)",
     )
     serve.add_argument(
+        "--quantization",
+        "-q",
+        choices=["int8", "int4"],
+        help="weight-only quantized base linears and lm_head, LoRA on top in --dtype (default: none): int8 "
+        "per output channel, int4 in groups of 32 (PyTorch's packed int8/int4 matmuls)",
+    )
+    serve.add_argument(
         "--memory-budget",
         "--gpu-memory-utilization",
         dest="memory_budget",
@@ -246,6 +253,7 @@ def _serve(args: argparse.Namespace) -> int:
         system_port=args.system_port,
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         memory_budget=args.memory_budget,
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,

@@ -40,6 +40,7 @@ class WorkerSettings:
     system_port: int = 9090
     device: str = "cpu"
     dtype: str = "auto"
+    quantization: str | None = None  # weight-only int8 / int4 base linears (model/quantization.py)
     memory_budget: str | None = None  # a fraction of device memory or a size (None: the device's default)
     max_loras: int = 8
     max_cpu_loras: int = 64
@@ -159,9 +160,13 @@ class WorkerService:
         from lorafleet_sync.sources import AdapterSources
 
         from lorafleet_worker.engine import Engine
+        from lorafleet_worker.omp_threads import run_in_fresh_thread
 
         tokenizer = await asyncio.to_thread(Tokenizer.from_dir, s.model_dir, chat_template=s.chat_template)
         engine = await asyncio.to_thread(Engine, s.model_dir, **s.engine_kwargs())
+        if s.quantization:  # on a thread that ends with it, like the engine's setup (omp_threads.py)
+            n = await asyncio.to_thread(run_in_fresh_thread, engine.model.quantize_weights, s.quantization)
+            log.info("quantized %d base weights to %s", n, s.quantization)
         await engine.start()
         self._sources = AdapterSources.from_env(cache_dir=s.lora_cache_dir)
         self.metrics.attach_engine(

@@ -10,7 +10,8 @@ M = 32: 67.5 -> 33.0 ms float32, 27.6 -> 18.0 ms bfloat16.
 
 `pack(w)` returns the packed weight, or None where oneDNN cannot serve it (no mkldnn in this torch
 build, another device or dtype, bf16 without hardware support, or the probe call fails): the caller
-then keeps `F.linear`. `LORAFLEET_CPU_LINEAR=torch` turns packing off.
+then keeps `F.linear`. `LORAFLEET_CPU_LINEAR=torch` turns packing off. `linear` also serves a weight
+quantized by `--quantization` (`quantization.py`, CPU or CUDA) in place of the packed one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from lorafleet_worker.model.quantization import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +60,13 @@ def pack(w: Tensor) -> Tensor | None:
     return packed
 
 
-def linear(x: Tensor, w: Tensor, b: Tensor | None, packed: Tensor | None) -> Tensor:
-    """x @ w.T + b, through the packed weight when there is one."""
+def linear(x: Tensor, w: Tensor, b: Tensor | None, packed: Tensor | QuantizedWeight | None) -> Tensor:
+    """x @ w.T + b, through the packed (or quantized) weight when there is one."""
     if packed is None:
         return F.linear(x, w, b)
+    if isinstance(packed, QuantizedWeight):
+        y = packed.matmul(x)
+        return y if b is None else y + b
     out: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
     return out
 

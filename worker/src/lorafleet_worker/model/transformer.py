@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lorafleet_worker.config import ModelConfig
-from lorafleet_worker.model import cpu_attention, cpu_linear
+from lorafleet_worker.model import cpu_attention, cpu_linear, quantization
 from lorafleet_worker.model.attention import paged_attention
 from lorafleet_worker.model.forward_batch import ForwardBatch, LoRAContext
 from lorafleet_worker.model.loading import Checkpoint, parse_dtype
+from lorafleet_worker.model.quantization import QuantizedWeight
 from lorafleet_worker.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 base_linear = cpu_linear.linear  # every base-model GEMM goes through here (the benchmarks' hooks wrap it)
@@ -76,7 +77,8 @@ class DecoderLayer(nn.Module):
         self.down_w, self.down_b = _linear_params(config.hidden_size, config.intermediate_size, bias.mlp)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.packed: dict[str, Tensor] = {}  # group -> oneDNN-packed weight (CPU, `Transformer.pack_weights`)
+        # group -> the weight as the base GEMM reads it: oneDNN-packed (CPU, `Transformer.pack_weights`) or quantized
+        self.packed: dict[str, Tensor | QuantizedWeight] = {}
 
     def _proj(self, x: Tensor, w: Tensor, b: Tensor | None, group: str, lora: LoRAContext | None) -> Tensor:
         out = base_linear(x, w, b, self.packed.get(group))
@@ -148,7 +150,7 @@ class Transformer(nn.Module):
         self.lm_head: nn.Parameter | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
-        self.packed_head: Tensor | None = None  # lm_head packed for oneDNN (`pack_weights`)
+        self.packed_head: Tensor | QuantizedWeight | None = None  # lm_head packed for oneDNN or quantized
         self.inv_freq: Tensor
         inv_freq, self.rope_scale = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -198,6 +200,29 @@ class Transformer(nn.Module):
                 self.lm_head.data = self.lm_head.data.new_empty(0)
         return packed
 
+    def quantize_weights(self, method: str) -> int:
+        """Replace every projection's weight and the lm_head by its `method` quantization (`quantization.py`).
+
+        Each weight is quantized from its dense values (read out of a oneDNN-packed one) and the dense or
+        packed copy is released; a tied lm_head is quantized as a copy beside the embedding, which lookups
+        still read. Returns the number of weights quantized.
+        """
+        quantization.check_supported(method, self.device, self.dtype)
+        count = 0
+        for layer in self._decoder_layers():
+            for group in GROUPS:
+                w: nn.Parameter = getattr(layer, f"{group}_w")
+                dense = layer.packed[group].to_dense() if group in layer.packed else w.data
+                layer.packed[group] = quantization.quantize(dense, method)
+                w.data = w.data.new_empty(0)
+                count += 1
+        head = self.lm_head if self.lm_head is not None else self.embed
+        dense_head = self.packed_head.to_dense() if self.packed_head is not None else head.data
+        self.packed_head = quantization.quantize(dense_head, method)
+        if self.lm_head is not None:
+            self.lm_head.data = self.lm_head.data.new_empty(0)
+        return count + 1
+
     def _decoder_layers(self) -> list[DecoderLayer]:
         return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
 
@@ -207,10 +232,11 @@ class Transformer(nn.Module):
         packed = [p for layer in self._decoder_layers() for p in layer.packed.values()]
         if self.packed_head is not None:
             packed.append(self.packed_head)
-        return dense + sum(p.numel() * p.element_size() for p in packed)
+        return dense + sum(p.nbytes if isinstance(p, QuantizedWeight) else p.numel() * p.element_size() for p in packed)
 
-    def packed_weights(self) -> dict[str, Tensor]:
-        """Parameter name -> its oneDNN-packed weight, for every weight `pack_weights` released."""
+    def packed_weights(self) -> dict[str, Tensor | QuantizedWeight]:
+        """Parameter name -> its packed or quantized weight, for every weight `pack_weights` or
+        `quantize_weights` released."""
         layers = self._decoder_layers()
         out = {f"layers.{i}.{g}_w": p for i, layer in enumerate(layers) for g, p in layer.packed.items()}
         if self.packed_head is not None and self.lm_head is not None:

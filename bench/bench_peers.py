@@ -1,0 +1,402 @@
+"""lorafleet side by side with llama.cpp's llama-server (issue 29): one harness, the same token-id prompts.
+
+Both servers run the real model (SmolLM2-135M-Instruct) on this machine, each alone, with the same
+threads; the harness is one async HTTP client that streams `/v1/completions` from either (prompt as
+token ids, 128 of them, 64 output tokens, greedy, `ignore_eos`). Scenarios:
+  base      no adapter
+  one       one adapter (the trained `french`: rank 16, all seven projections)
+  trained4  the four trained adapters (ranks 8-32, different target modules), round-robin
+  qv16      16 adapters of rank 8/8/8/16 on q_proj + v_proj
+  mixed16   16 adapters of rank 8/16/32/64 on all seven projections
+The trained adapters come from `python -m demo.train_adapters` when it has run on this machine; else
+generated adapters of the same ranks and targets stand in (the JSON says which).
+
+Precision pairs (`--pairs`): lorafleet's weights : llama.cpp's GGUF, e.g. f32:F32, bf16:BF16, int8:Q8_0
+(int8 = `--quantization int8` with bfloat16 activations). Each (pair, scenario) first checks greedy
+agreement (a few real-text prompts, base and up to four adapters), then times concurrency 1, 8 and 32
+on each server in turn (interleaved when `--rounds` > 1): output tokens per second of wall time
+(prefill included), TTFT and inter-token latency p50/p99, and the server's peak RSS.
+
+    python bench/bench_peers.py                      # writes bench/peers.json
+    python bench/bench_peers.py --pairs f32:F32 --scenarios base one --concurrency 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import subprocess
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import llama_cpp
+from common import MIXED_RANKS, bench_adapter, log, machine, percentile, read_json, real_model, write_json
+
+PROMPT_LEN = 128
+OUTPUT_LEN = 64
+SLOT_CTX = 256  # per llama.cpp slot / lorafleet --max-model-len: prompt + output + margin
+QV_RANKS = (8, 8, 8, 16)
+SCENARIOS = ("base", "one", "trained4", "qv16", "mixed16")
+LORAFLEET_PRECISIONS: dict[str, list[str]] = {
+    "f32": ["--dtype", "float32"],
+    "bf16": ["--dtype", "bfloat16"],
+    "int8": ["--dtype", "bfloat16", "--quantization", "int8"],
+    "int8-f32": ["--dtype", "float32", "--quantization", "int8"],
+    "int4": ["--dtype", "bfloat16", "--quantization", "int4"],
+}
+CHECK_PROMPTS = (
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):",
+)
+CHECK_TOKENS = 24
+# llama.cpp's weight repacking per GGUF type: off for the quantized ones (it segfaults on load here, llama_cpp.py)
+REPACK = {"F32": True, "BF16": True, "Q8_0": False, "Q4_K_M": False}
+CHECK_ADAPTERS = 4
+
+
+# ---------------------------------------------------------------------------------------------- adapters
+
+
+def trained_or_generated(model: Path) -> tuple[dict[str, Path], bool]:
+    """The four trained adapters when `demo.train_adapters` has built them here, else generated stand-ins."""
+    from demo.train_adapters import READY, RECIPES, adapters_dir
+
+    root = adapters_dir()
+    if all((root / style / READY).is_file() for style in RECIPES):
+        return {style: root / style for style in RECIPES}, True
+    return {s: bench_adapter(model, 200 + i, r.rank, r.targets) for i, (s, r) in enumerate(RECIPES.items())}, False
+
+
+def scenario_adapters(scenario: str, model: Path, trained: dict[str, Path]) -> list[tuple[str, Path]]:
+    if scenario == "base":
+        return []
+    if scenario == "one":
+        return [("french", trained["french"])]
+    if scenario == "trained4":
+        return list(trained.items())
+    if scenario == "qv16":
+        ranks = [QV_RANKS[i % len(QV_RANKS)] for i in range(16)]
+        return [(f"q{i:03d}", bench_adapter(model, i, r, ("q_proj", "v_proj"))) for i, r in enumerate(ranks)]
+    if scenario == "mixed16":
+        return [(f"m{i:03d}", bench_adapter(model, 100 + i, MIXED_RANKS[i % 4])) for i in range(16)]
+    raise ValueError(f"unknown scenario {scenario!r}")
+
+
+# ---------------------------------------------------------------------------------------------- servers
+
+
+@dataclass
+class Server:
+    """One running server: how to name the base model or an adapter in a request, and its process."""
+
+    system: str  # "lorafleet" or "llama.cpp"
+    url: str
+    proc: subprocess.Popen[bytes]
+    adapter_ids: dict[str, int] = field(default_factory=dict)  # llama.cpp: adapter name -> --lora index
+
+    def body(self, prompt: list[int], adapter: str | None, max_tokens: int, stream: bool) -> dict[str, Any]:
+        """A greedy /v1/completions body; streamed (timed) requests ignore EOS so every one is OUTPUT_LEN long."""
+        body: dict[str, Any] = {"model": "base", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                                "stream": stream, "ignore_eos": stream}  # fmt: skip
+        if self.system == "lorafleet":
+            body["model"] = adapter or "base"
+        else:  # llama.cpp picks adapters per request by --lora index; unlisted ones get scale 0
+            body["lora"] = [] if adapter is None else [{"id": self.adapter_ids[adapter], "scale": 1.0}]
+            body["cache_prompt"] = False
+        return body
+
+    def peak_rss_mib(self) -> float | None:
+        """VmHWM of the server process (its peak resident memory)."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+        except OSError:
+            pass
+        return None
+
+
+def start_lorafleet(
+    model: Path, adapters: list[tuple[str, Path]], precision: str, workdir: Path, threads: int
+) -> Server:
+    from lorafleet_worker.demo import free_port, launch_worker, wait_ready
+
+    host = "127.0.0.1"
+    port, system_port = free_port(host), free_port(host)
+    args = [*LORAFLEET_PRECISIONS[precision], "--max-loras", str(max(1, len(adapters))), "--max-num-seqs", "32"]
+    args += ["--max-model-len", str(SLOT_CTX)]
+    roots = os.pathsep.join(sorted({str(p.parent) for _, p in adapters})) or str(workdir)
+    env = {"LORAFLEET_FILE_ROOTS": roots, "DYN_LORA_PATH": str(workdir / "cache"), "LORAFLEET_ADMIN_TOKEN": "",
+           "OMP_NUM_THREADS": str(threads)}  # fmt: skip
+    log_file = (workdir / f"lorafleet-{precision}.log").open("ab")
+    proc = launch_worker(
+        model, name="base", host=host, port=port, system_port=system_port, args=args, env=env, log=log_file
+    )
+    wait_ready(proc, f"http://{host}:{system_port}")
+    for name, path in adapters:
+        body = {"lora_name": name, "source": {"uri": f"file://{path}"}}
+        req = urllib.request.Request(
+            f"http://{host}:{system_port}/v1/loras", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=300) as r:
+            if r.status != 200:
+                raise RuntimeError(f"loading {name} into lorafleet: HTTP {r.status}")
+    return Server("lorafleet", f"http://{host}:{port}", proc)
+
+
+def start_llama(
+    model: Path, adapters: list[tuple[str, Path]], ggufs: list[Path], workdir: Path, tag: str, threads: int
+) -> Server:
+    from lorafleet_worker.demo import free_port
+
+    port = free_port("127.0.0.1")
+    cmd = llama_cpp.server_command(
+        model, ggufs, port=port, parallel=32, ctx_per_slot=SLOT_CTX, threads=threads, repack=REPACK[tag.split("-")[0]]
+    )
+    log_file = (workdir / f"llama-{tag}.log").open("ab")
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}; log: {workdir}/llama-{tag}.log")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("llama-server was not healthy after 300 s")
+        time.sleep(0.2)
+    return Server("llama.cpp", url, proc, {name: i for i, (name, _) in enumerate(adapters)})
+
+
+def stop(server: Server) -> None:
+    from lorafleet_worker.demo import stop_worker
+
+    stop_worker(server.proc)
+
+
+# ---------------------------------------------------------------------------------------------- client
+
+
+async def complete(client: httpx.AsyncClient, server: Server, prompt: list[int], adapter: str | None) -> str:
+    """Greedy text of a short non-streamed completion."""
+    r = await client.post(f"{server.url}/v1/completions", json=server.body(prompt, adapter, CHECK_TOKENS, False))
+    r.raise_for_status()
+    return str(r.json()["choices"][0]["text"])
+
+
+async def stream_one(
+    client: httpx.AsyncClient, server: Server, prompt: list[int], adapter: str | None
+) -> tuple[float, list[float], int]:
+    """One streamed request: (TTFT s, inter-token gaps s, tokens received)."""
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    body = server.body(prompt, adapter, OUTPUT_LEN, True)
+    async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            choice = (chunk.get("choices") or [{}])[0]
+            if choice.get("text") or (choice.get("text") is not None and choice.get("finish_reason") is None):
+                stamps.append(time.perf_counter())  # one token a chunk (an empty final chunk carries no token)
+    if not stamps:
+        raise RuntimeError(f"{server.system}: a streamed request returned no tokens")
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    return stamps[0] - t0, gaps, len(stamps)
+
+
+async def timed_pass(server: Server, prompts: list[list[int]], adapters: list[str | None], c: int) -> dict[str, Any]:
+    """`len(prompts)` requests through `c` closed-loop clients; throughput and latency percentiles."""
+    queue = list(zip(prompts, adapters, strict=True))
+    ttfts: list[float] = []
+    gaps: list[float] = []
+    tokens = 0
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        while queue:
+            prompt, adapter = queue.pop()
+            ttft, g, n = await stream_one(client, server, prompt, adapter)
+            ttfts.append(ttft)
+            gaps.extend(g)
+            tokens += n
+
+    # a new connection per request: llama-server (cpp-httplib) closes a kept-alive one after 5 requests, and a
+    # pooled connection closed under the client reads as "Server disconnected"; both servers get the same
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(c)))
+        wall = time.perf_counter() - t0
+    return {
+        "requests": len(prompts),
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tok_s": round(tokens / wall, 2),
+        "ttft_p50_ms": _ms(percentile(ttfts, 50)),
+        "itl_p50_ms": _ms(percentile(gaps, 50)),
+        "itl_p99_ms": _ms(percentile(gaps, 99)),
+        "loadavg_1": round(os.getloadavg()[0], 2),
+    }
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1000, 2)
+
+
+def random_prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
+    """`n` distinct prompts of PROMPT_LEN token ids (no prefix shared, so no prompt cache helps)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(200, vocab) for _ in range(PROMPT_LEN)] for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+def run_pair(
+    pair: str, scenario: str, model: Path, trained: dict[str, Path], args: argparse.Namespace, workdir: Path
+) -> dict[str, Any]:
+    """Greedy check, then the timed passes, for one precision pair and scenario."""
+    precision, ftype = pair.split(":")
+    adapters = scenario_adapters(scenario, model, trained)
+    ggufs = [llama_cpp.adapter_gguf(path, model) for _, path in adapters]
+    base = llama_cpp.base_gguf(ftype)
+    names: list[str | None] = [None, *(n for n, _ in adapters[:CHECK_ADAPTERS])] if scenario != "base" else [None]
+    from lorafleet_worker.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model)
+    check_prompts = [tok.encode(p) for p in CHECK_PROMPTS]
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    result: dict[str, Any] = {"pair": pair, "scenario": scenario, "adapters": len(adapters), "runs": {}}
+    starts = {
+        "lorafleet": lambda: start_lorafleet(model, adapters, precision, workdir, args.threads),
+        "llama.cpp": lambda: start_llama(base, adapters, ggufs, workdir, f"{ftype}-{scenario}", args.threads),
+    }
+    for rnd in range(args.rounds):
+        order = ["lorafleet", "llama.cpp"] if rnd % 2 == 0 else ["llama.cpp", "lorafleet"]
+        for system in order:
+            log(f"{pair} {scenario}: {system} round {rnd + 1}")
+            server = starts[system]()
+            try:
+                if rnd == 0 and args.check:
+                    result.setdefault("check_texts", {})[system] = asyncio.run(_texts(server, names, check_prompts))
+                runs = result["runs"].setdefault(system, {})
+                for c in args.concurrency:
+                    n = max(4, c)
+                    prompts = random_prompts(n, seed=1000 * rnd + c, vocab=vocab)
+                    picks: list[str | None] = [adapters[i % len(adapters)][0] if adapters else None for i in range(n)]
+                    asyncio.run(timed_pass(server, prompts[:1], picks[:1], 1))  # warm-up (adapter into a slot)
+                    got = asyncio.run(timed_pass(server, prompts, picks, c))
+                    runs.setdefault(str(c), []).append(got)
+                    log(f"  c={c}: {got['tok_s']} tok/s, ITL p50 {got['itl_p50_ms']} ms (load {got['loadavg_1']})")
+                result.setdefault("peak_rss_mib", {})[system] = server.peak_rss_mib()
+            finally:
+                stop(server)
+    if "check_texts" in result and len(result["check_texts"]) == 2:
+        result["greedy"] = _agreement(result.pop("check_texts"), names)
+    return result
+
+
+async def _texts(server: Server, names: list[str | None], prompts: list[list[int]]) -> list[str]:
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        return [await complete(client, server, p, n) for n in names for p in prompts]
+
+
+def _agreement(texts: dict[str, list[str]], names: list[str | None]) -> list[dict[str, Any]]:
+    ours, theirs = texts["lorafleet"], texts["llama.cpp"]
+    per = len(CHECK_PROMPTS)
+    rows = []
+    for i, name in enumerate(names):
+        pairs = list(zip(ours[i * per : (i + 1) * per], theirs[i * per : (i + 1) * per], strict=True))
+        rows.append({"adapter": name or "base", "agree": sum(a == b for a, b in pairs), "of": per,
+                     "first_diff": [_common_prefix(a, b) if a != b else None for a, b in pairs],
+                     "texts": pairs})  # fmt: skip
+    return rows
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """How many leading characters `a` and `b` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """lorafleet / llama.cpp per (pair, scenario, concurrency): tok/s (best round) and ITL p50 ratios."""
+    rows = []
+    for r in results:
+        for c, ours in r["runs"].get("lorafleet", {}).items():
+            theirs = r["runs"].get("llama.cpp", {}).get(c)
+            if not theirs:
+                continue
+            a, b = max(ours, key=lambda x: x["tok_s"]), max(theirs, key=lambda x: x["tok_s"])
+            itl = a["itl_p50_ms"] / b["itl_p50_ms"] if a["itl_p50_ms"] and b["itl_p50_ms"] else None
+            rows.append({
+                "pair": r["pair"], "scenario": r["scenario"], "concurrency": int(c),
+                "lorafleet_tok_s": a["tok_s"], "llama_tok_s": b["tok_s"],
+                "tok_s_ratio": round(a["tok_s"] / b["tok_s"], 2),
+                "lorafleet_itl_p50_ms": a["itl_p50_ms"], "llama_itl_p50_ms": b["itl_p50_ms"],
+                "itl_ratio": None if itl is None else round(itl, 2),
+            })  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", nargs="+", default=["f32:F32", "bf16:BF16", "int8:Q8_0"])
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="per server (default: all CPUs)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds per server, interleaved (default 1)")
+    parser.add_argument("--no-check", dest="check", action="store_false", help="skip the greedy agreement check")
+    parser.add_argument("--out", default="peers", help="bench/<out>.json (default peers)")
+    parser.add_argument("--merge", action="store_true", help="keep the other (pair, scenario) results of --out")
+    args = parser.parse_args()
+    for pair in args.pairs:
+        precision, ftype = pair.partition(":")[::2]
+        if precision not in LORAFLEET_PRECISIONS or ftype not in llama_cpp.FTYPES:
+            parser.error(
+                f"--pairs {pair}: want LORAFLEET:GGUF with {sorted(LORAFLEET_PRECISIONS)} and {llama_cpp.FTYPES}"
+            )
+    payload: dict[str, Any] = {"machine": machine(), "llama_cpp": llama_cpp.VERSION, "threads": args.threads,
+                               "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN}  # fmt: skip
+    try:
+        llama_cpp.build()
+    except llama_cpp.Unavailable as e:
+        payload["skipped"] = str(e)
+        write_json(args.out, payload)
+        return
+    model = real_model()
+    trained, is_trained = trained_or_generated(model)
+    payload["adapters"] = "trained (demo.train_adapters)" if is_trained else "generated stand-ins (same ranks/targets)"
+    previous = (read_json(args.out) or {}).get("results", []) if args.merge else []
+    redo = {(p, sc) for p in args.pairs for sc in args.scenarios}
+    results = [r for r in previous if (r["pair"], r["scenario"]) not in redo]
+    workdir = Path(tempfile.mkdtemp(prefix="lorafleet-peers-"))
+    log(f"server logs in {workdir}")
+    for pair in args.pairs:
+        for scenario in args.scenarios:
+            results.append(run_pair(pair, scenario, model, trained, args, workdir))
+            payload["results"] = results
+            payload["ratios"] = summarize(results)
+            write_json(args.out, payload)  # after each scenario: a long run keeps what it measured
+    payload["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    write_json(args.out, payload)
+
+
+if __name__ == "__main__":
+    main()

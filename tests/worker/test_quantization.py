@@ -1,0 +1,153 @@
+"""Weight-only int8 / int4 base linears (`model/quantization.py`, `--quantization`).
+
+The kernels against a matmul with the dequantized weight; the quantization error within its bound; the
+engine with quantized weights and LoRA on top against transformers + PEFT given the same dequantized
+weights: same greedy tokens, log-probs within 1e-3 (float32 activations), in one mixed batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lorafleet_worker.engine import Engine
+from lorafleet_worker.model import quantization
+from lorafleet_worker.model.quantization import INT4_GROUP, quantize
+from lorafleet_worker.sampling import SamplingParams
+from torch import nn
+
+PROMPTS = [[5, 17, 42, 99, 3], [int(x) for x in torch.arange(30, 430, 10)]]
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+ADAPTERS: dict[str, dict[str, Any]] = {
+    "all-r8": {"rank": 8, "seed": 11},
+    "qv-r16": {"rank": 16, "seed": 12, "targets": ["q_proj", "v_proj"]},
+}
+
+
+@pytest.mark.parametrize("method", quantization.METHODS)
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 8, 33])
+def test_matmul_is_x_times_the_dequantized_weight(method: str, dtype: torch.dtype, tol: float, rows: int) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(96, 128).to(dtype)
+    qw = quantize(w, method)
+    dense = qw.to_dense()
+    assert dense.shape == w.shape and dense.dtype == dtype
+    x = torch.randn(rows, 128).to(dtype)
+    got = qw.matmul(x)
+    ref = x.float() @ dense.float().T
+    assert got.dtype == dtype and got.shape == (rows, 96)
+    assert (got.float() - ref).abs().max().item() < tol * ref.abs().max().item()
+    assert qw.matmul(x.reshape(rows, 1, 128)).shape == (rows, 1, 96)  # leading dimensions kept
+
+
+@pytest.mark.parametrize("method", quantization.METHODS)
+def test_quantization_error_is_within_half_a_step(method: str) -> None:
+    torch.manual_seed(1)
+    w = torch.randn(64, 256) * torch.linspace(0.01, 3, 64)[:, None]  # channels of very different ranges
+    err = (quantize(w, method).to_dense() - w).abs()
+    if method == "int8":
+        step = w.abs().amax(1, keepdim=True) / 127
+    else:
+        g = w.reshape(64, -1, INT4_GROUP)
+        step = ((g.amax(-1, keepdim=True) - g.amin(-1, keepdim=True)) / 15).expand_as(g).reshape(64, 256)
+    assert (err <= step / 2 + 1e-5).all()
+    assert err.max() > 0  # really quantized
+    packed = quantize(w, method)
+    assert packed.nbytes < w.nbytes / (3 if method == "int8" else 5)  # scales included
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown quantization 'fp8'"):
+        quantize(torch.randn(4, 32), "fp8")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.randn(4, 40), "int4")
+    with pytest.raises(ValueError, match="bfloat16"):
+        quantization.check_supported("int4", torch.device("cuda"), torch.float32)
+
+
+def hf_with_weights_of(model_dir: Path, ours: Any) -> Any:
+    """transformers' model of `model_dir` holding the (dequantized) weights our model computes with."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    state, cfg = ours.state_dict(), ours.config
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            q, k, v = state[f"layers.{i}.qkv_w"].float().split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+            gate, up = state[f"layers.{i}.gate_up_w"].float().chunk(2)
+            attn, mlp = layer.self_attn, layer.mlp
+            for lin, value in [(attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v), (mlp.gate_proj, gate),
+                               (mlp.up_proj, up), (attn.o_proj, state[f"layers.{i}.o_w"].float()),
+                               (mlp.down_proj, state[f"layers.{i}.down_w"].float())]:  # fmt: skip
+                lin.weight.copy_(value)
+    hf.lm_head.weight = nn.Parameter(ours.packed_head.to_dense().float())  # the embedding stays unquantized
+    return hf
+
+
+@torch.no_grad()
+def peft_greedy(peft: Any, prompt: list[int], adapter: str | None, n: int) -> tuple[list[int], list[float]]:
+    ids, toks, lps = list(prompt), [], []
+    for _ in range(n):
+        if adapter is None:
+            with peft.disable_adapter():
+                logits = peft(torch.tensor([ids])).logits[0, -1]
+        else:
+            peft.set_adapter(adapter)
+            logits = peft(torch.tensor([ids])).logits[0, -1]
+        lp = torch.log_softmax(logits.float(), -1)
+        t = int(lp.argmax())
+        toks.append(t)
+        lps.append(float(lp[t]))
+        ids.append(t)
+    return toks, lps
+
+
+@pytest.mark.parametrize("method", quantization.METHODS)
+async def test_engine_matches_peft_on_the_dequantized_weights(
+    method: str, tiny_models: Any, tiny_adapter_factory: Any
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model_dir = Path(tiny_models["llama"])
+    adapters = {name: tiny_adapter_factory(model_dir, **kw) for name, kw in ADAPTERS.items()}
+    engine = Engine(model_dir, dtype="float32", max_loras=2, block_size=4, max_model_len=128, num_kv_blocks=128)
+    assert engine.model.quantize_weights(method) == 4 * engine.config.num_hidden_layers + 1
+    assert engine.model.layers[0].qkv_w.numel() == 0  # the dense copy is released
+    await engine.start()
+    try:
+        for name, path in adapters.items():
+            await engine.add_adapter(name, path)
+        jobs = [(p, a) for p in PROMPTS for a in [None, *adapters]]
+
+        async def run(i: int, prompt: list[int], adapter: str | None) -> tuple[list[int], list[float]]:
+            outs = [o async for o in engine.generate(f"r{i}", prompt, GREEDY, adapter)]
+            return [o.token_id for o in outs], [float(o.logprob or 0.0) for o in outs]
+
+        results = await asyncio.wait_for(asyncio.gather(*(run(i, p, a) for i, (p, a) in enumerate(jobs))), 120)
+        assert engine.stats.max_adapters_in_step == len(adapters)  # one mixed batch
+        hf = hf_with_weights_of(model_dir, engine.model)
+    finally:
+        await engine.stop()
+    names = list(adapters)
+    peft = PeftModel.from_pretrained(hf, adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        peft.load_adapter(adapters[name], adapter_name=name)
+    plain = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
+        adapters[names[0]],
+        adapter_name=names[0],
+    )
+    worst_vs_plain = 0.0
+    for (prompt, adapter), (toks, lps) in zip(jobs, results, strict=True):
+        want_toks, want_lps = peft_greedy(peft.eval(), prompt, adapter, len(toks))
+        assert toks == want_toks, (prompt, adapter)
+        assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) < 1e-3, (prompt, adapter)
+        if adapter in (None, names[0]):
+            _, plain_lps = peft_greedy(plain.eval(), prompt, adapter, 1)
+            worst_vs_plain = max(worst_vs_plain, abs(plain_lps[0] - lps[0]))
+    assert worst_vs_plain > 1e-3  # the unquantized weights would not have passed: the test sees quantization

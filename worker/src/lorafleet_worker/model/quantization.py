@@ -1,0 +1,93 @@
+"""Weight-only quantized base linears (`--quantization int8|int4`): PyTorch's own packed int8/int4 matmuls.
+
+`int8`: one symmetric scale per output channel (`scale = max|w| / 127`), served by
+`aten._weight_int8pack_mm` (CPU and CUDA): a quarter of float32's bytes, half of bfloat16's.
+`int4`: asymmetric groups of 32 input channels, scale and zero per group
+(`w = (q - 8) * scale + zero`, the tinygemm layout), served by `aten._weight_int4pack_mm_for_cpu` on
+CPU and `aten._weight_int4pack_mm` on CUDA (bfloat16 activations there).
+Activations stay in the model's dtype and LoRA is applied on top in full precision (`DecoderLayer._proj`);
+embeddings and norms are not quantized, the lm_head is. `QuantizedWeight.to_dense()` gives back the
+dequantized weight, which is what the tests compare with transformers + PEFT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+METHODS = ("int8", "int4")
+INT4_GROUP = 32
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A [out, in] weight quantized for one of METHODS, with the matmul that reads it."""
+
+    method: str
+    qweight: Tensor  # int8 [out, in]; int4: packed for this device's kernel
+    scales: Tensor  # int8: [out] in the activation dtype; int4: [in / group, out, 2] (scale, zero)
+    shape: tuple[int, int]
+    dtype: torch.dtype  # the activations' (and the dense weight's) dtype
+
+    def matmul(self, x: Tensor) -> Tensor:
+        """x @ w.T for x [..., in] of `dtype`."""
+        flat = x.reshape(-1, self.shape[1])
+        if self.method == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+        elif flat.device.type == "cpu":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, INT4_GROUP, self.scales)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm(flat, self.qweight, INT4_GROUP, self.scales)
+        result: Tensor = out.reshape(*x.shape[:-1], self.shape[0])
+        return result
+
+    def to_dense(self) -> Tensor:
+        """The dequantized weight [out, in] in `dtype` (what the matmul multiplies by, up to rounding)."""
+        eye = torch.eye(self.shape[1], dtype=self.dtype, device=self.qweight.device)
+        return self.matmul(eye).T.contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def quantize(w: Tensor, method: str) -> QuantizedWeight:
+    """Quantize a dense [out, in] weight (float32 / bfloat16 / float16) for `method`."""
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(METHODS)}")
+    if w.dim() != 2:
+        raise ValueError(f"only 2-D weights are quantized, got shape {tuple(w.shape)}")
+    out_dim, in_dim = w.shape
+    w32 = w.detach().float()
+    if method == "int8":
+        scale = (w32.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        q = torch.round(w32 / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return QuantizedWeight("int8", q.contiguous(), scale.to(w.dtype), (out_dim, in_dim), w.dtype)
+    if in_dim % INT4_GROUP:
+        raise ValueError(f"int4 needs the input dimension ({in_dim}) to be a multiple of {INT4_GROUP}")
+    groups = w32.reshape(out_dim, in_dim // INT4_GROUP, INT4_GROUP)
+    lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((groups - lo) / scale).clamp(0, 15).reshape(out_dim, in_dim).to(torch.int32)
+    zero = lo + 8 * scale
+    dtype = w.dtype if w.device.type == "cpu" else torch.bfloat16
+    scales = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [in / group, out, 2]
+    tiles = next(t for t in (8, 4, 2, 1) if in_dim % (16 * t) == 0)  # CUDA's tiling of K (the CPU ignores it)
+    if w.device.type == "cpu":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, tiles)
+    else:  # two nibbles a byte, even columns high (PyTorch's test__int4_mm)
+        packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), tiles)
+    return QuantizedWeight("int4", packed, scales, (out_dim, in_dim), dtype)
+
+
+def check_supported(method: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise ValueError naming what does not fit: the method, or int4 on CUDA with non-bf16 activations."""
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "int4" and device.type == "cuda" and dtype != torch.bfloat16:
+        raise ValueError("--quantization int4 on CUDA needs --dtype bfloat16 (the tinygemm kernel's)")
+
+
+__all__ = ["INT4_GROUP", "METHODS", "QuantizedWeight", "check_supported", "quantize"]
