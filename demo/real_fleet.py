@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from demo.real_model import SERVED_NAME, prepare_model
-from demo.side_by_side import ADAPTER_MODELS, ask_side_by_side, describe, models_to_ask
+from demo.side_by_side import ADAPTER_MODELS, ask_json_schema, ask_side_by_side, describe, models_to_ask
 from demo.train_adapters import trained_adapters
 
 BUCKET_PREFIX = "s3://lorafleet/smollm2"
@@ -81,3 +81,5 @@ def show(release: Any, adapters: dict[str, Path], say: Any = print) -> None:
     router = release.router_url()
     say(f"the same questions to {SERVED_NAME} and to each trained adapter, through the router ({router})")
     ask_side_by_side(router, models_to_ask())
+    say("the same json_schema answer asked of the base model and of the JSON adapter (structured output)")
+    ask_json_schema(router, {"base": SERVED_NAME, "json": ADAPTER_MODELS["json"]})
