@@ -151,3 +151,29 @@ async def test_engine_matches_peft_on_the_dequantized_weights(
             _, plain_lps = peft_greedy(plain.eval(), prompt, adapter, 1)
             worst_vs_plain = max(worst_vs_plain, abs(plain_lps[0] - lps[0]))
     assert worst_vs_plain > 1e-3  # the unquantized weights would not have passed: the test sees quantization
+
+
+def test_cli_flag_is_parsed_and_bad_values_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from lorafleet_worker.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--model", "m", "--quantization", "int4"]).quantization == "int4"
+    assert parser.parse_args(["serve", "--model", "m"]).quantization is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--model", "m", "--quantization", "fp8"])
+    assert "--quantization" in capsys.readouterr().err
+
+
+async def test_the_worker_serves_the_quantized_weights(tiny_models: Any) -> None:
+    from lorafleet_worker.model.quantization import QuantizedWeight
+    from lorafleet_worker.service import WorkerService, WorkerSettings
+
+    settings = WorkerSettings(model_dir=Path(tiny_models["llama"]), served_model_name="m", quantization="int8")
+    service = WorkerService(settings)
+    await service.start()
+    try:
+        model = service.engine.model
+        assert all(isinstance(p, QuantizedWeight) and p.method == "int8" for p in model.layers[0].packed.values())
+        assert isinstance(model.packed_head, QuantizedWeight)
+    finally:
+        await service.stop()
