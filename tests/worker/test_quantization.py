@@ -19,6 +19,8 @@ from lorafleet_worker.model.quantization import INT4_GROUP, quantize
 from lorafleet_worker.sampling import SamplingParams
 from torch import nn
 
+from tests.worker.test_engine import peft_greedy
+
 PROMPTS = [[5, 17, 42, 99, 3], [int(x) for x in torch.arange(30, 430, 10)]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
 ADAPTERS: dict[str, dict[str, Any]] = {
@@ -86,24 +88,6 @@ def hf_with_weights_of(model_dir: Path, ours: Any) -> Any:
                 lin.weight.copy_(value)
     hf.lm_head.weight = nn.Parameter(ours.packed_head.to_dense().float())  # the embedding stays unquantized
     return hf
-
-
-@torch.no_grad()
-def peft_greedy(peft: Any, prompt: list[int], adapter: str | None, n: int) -> tuple[list[int], list[float]]:
-    ids, toks, lps = list(prompt), [], []
-    for _ in range(n):
-        if adapter is None:
-            with peft.disable_adapter():
-                logits = peft(torch.tensor([ids])).logits[0, -1]
-        else:
-            peft.set_adapter(adapter)
-            logits = peft(torch.tensor([ids])).logits[0, -1]
-        lp = torch.log_softmax(logits.float(), -1)
-        t = int(lp.argmax())
-        toks.append(t)
-        lps.append(float(lp[t]))
-        ids.append(t)
-    return toks, lps
 
 
 @pytest.mark.parametrize("method", quantization.METHODS)
