@@ -62,23 +62,27 @@ class Reference:
         toks, lps = self._cache[key]
         return toks, lps, "length"
 
-    @torch.no_grad()
     def _run(self, arch: str, prompt: list[int], adapter: str | None, n: int) -> tuple[list[int], list[float]]:
-        model = self.model(arch)
-        ids, toks, lps = list(prompt), [], []
-        for _ in range(n):
-            if adapter is None:
-                with model.disable_adapter():
-                    logits = model(torch.tensor([ids])).logits[0, -1]
-            else:
-                model.set_adapter(adapter)
+        return peft_greedy(self.model(arch), prompt, adapter, n)
+
+
+@torch.no_grad()
+def peft_greedy(model: Any, prompt: list[int], adapter: str | None, n: int) -> tuple[list[int], list[float]]:
+    """`n` greedy tokens and their log-probs from a PeftModel, with `adapter` (None: adapters disabled)."""
+    ids, toks, lps = list(prompt), [], []
+    for _ in range(n):
+        if adapter is None:
+            with model.disable_adapter():
                 logits = model(torch.tensor([ids])).logits[0, -1]
-            lp = torch.log_softmax(logits.float(), -1)
-            t = int(lp.argmax())
-            toks.append(t)
-            lps.append(float(lp[t]))
-            ids.append(t)
-        return toks, lps
+        else:
+            model.set_adapter(adapter)
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        lp = torch.log_softmax(logits.float(), -1)
+        t = int(lp.argmax())
+        toks.append(t)
+        lps.append(float(lp[t]))
+        ids.append(t)
+    return toks, lps
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,8 @@ from lorafleet_worker.model.quantization import INT4_GROUP, quantize
 from lorafleet_worker.sampling import SamplingParams
 from torch import nn
 
+from tests.worker.test_engine import peft_greedy
+
 PROMPTS = [[5, 17, 42, 99, 3], [int(x) for x in torch.arange(30, 430, 10)]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
 ADAPTERS: dict[str, dict[str, Any]] = {
@@ -88,24 +90,6 @@ def hf_with_weights_of(model_dir: Path, ours: Any) -> Any:
     return hf
 
 
-@torch.no_grad()
-def peft_greedy(peft: Any, prompt: list[int], adapter: str | None, n: int) -> tuple[list[int], list[float]]:
-    ids, toks, lps = list(prompt), [], []
-    for _ in range(n):
-        if adapter is None:
-            with peft.disable_adapter():
-                logits = peft(torch.tensor([ids])).logits[0, -1]
-        else:
-            peft.set_adapter(adapter)
-            logits = peft(torch.tensor([ids])).logits[0, -1]
-        lp = torch.log_softmax(logits.float(), -1)
-        t = int(lp.argmax())
-        toks.append(t)
-        lps.append(float(lp[t]))
-        ids.append(t)
-    return toks, lps
-
-
 @pytest.mark.parametrize("method", quantization.METHODS)
 async def test_engine_matches_peft_on_the_dequantized_weights(
     method: str, tiny_models: Any, tiny_adapter_factory: Any
@@ -151,3 +135,29 @@ async def test_engine_matches_peft_on_the_dequantized_weights(
             _, plain_lps = peft_greedy(plain.eval(), prompt, adapter, 1)
             worst_vs_plain = max(worst_vs_plain, abs(plain_lps[0] - lps[0]))
     assert worst_vs_plain > 1e-3  # the unquantized weights would not have passed: the test sees quantization
+
+
+def test_cli_flag_is_parsed_and_bad_values_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from lorafleet_worker.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--model", "m", "--quantization", "int4"]).quantization == "int4"
+    assert parser.parse_args(["serve", "--model", "m"]).quantization is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--model", "m", "--quantization", "fp8"])
+    assert "--quantization" in capsys.readouterr().err
+
+
+async def test_the_worker_serves_the_quantized_weights(tiny_models: Any) -> None:
+    from lorafleet_worker.model.quantization import QuantizedWeight
+    from lorafleet_worker.service import WorkerService, WorkerSettings
+
+    settings = WorkerSettings(model_dir=Path(tiny_models["llama"]), served_model_name="m", quantization="int8")
+    service = WorkerService(settings)
+    await service.start()
+    try:
+        model = service.engine.model
+        assert all(isinstance(p, QuantizedWeight) and p.method == "int8" for p in model.layers[0].packed.values())
+        assert isinstance(model.packed_head, QuantizedWeight)
+    finally:
+        await service.stop()
