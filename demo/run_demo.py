@@ -138,7 +138,7 @@ def show_tiny_models(router: str, holders: dict[str, str]) -> None:
     print(
         "\n  The tiny models have random weights, so their text is noise and is not shown. What can be\n"
         f"  checked: where each one is served, and that {PROBE_TOKENS} tokens stream back through the router.\n"
-        f"\n  {'model':<18} {'served by':<44} {'streamed':<22} {'TTFT':>7} {'tok/s':>7}",
+        f"\n  {'model':<18} {'streamed':<22} {'TTFT':>7} {'tok/s':>7}  served by",
         flush=True,
     )
     for model, pods in holders.items():
@@ -146,7 +146,7 @@ def show_tiny_models(router: str, holders: dict[str, str]) -> None:
         streamed = f"{probe.tokens} tokens, {probe.chunks} chunks"
         ok = probe.tokens == PROBE_TOKENS and probe.finish_reason == "length"
         print(
-            f"  {model:<18} {pods:<44} {streamed:<22} {probe.ttft_s * 1000:5.0f} ms {probe.decode_tok_s:7.1f}"
+            f"  {model:<18} {streamed:<22} {probe.ttft_s * 1000:5.0f} ms {probe.decode_tok_s:7.1f}  {pods}"
             + ("" if ok else f"  UNEXPECTED (finish_reason {probe.finish_reason})"),
             flush=True,
         )
