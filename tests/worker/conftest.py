@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from lorafleet_worker.config import ModelConfig
 from lorafleet_worker.demo import WorkerStartError, free_port, launch_worker, wait_ready
 from lorafleet_worker.demo import stop_worker as stop_process
 
@@ -207,3 +208,9 @@ def load_error(worker: Worker, name: str, uri: str, status: int, headers: dict[s
     assert name not in worker.loras()
     message: str = body["message"]
     return message
+
+
+@pytest.fixture(scope="module")
+def config(tiny_models: Any) -> ModelConfig:
+    """The tiny llama's config (scheduler and KV-cache tests)."""
+    return ModelConfig.from_dir(tiny_models["llama"])

@@ -92,11 +92,6 @@ def test_reset_forgets_every_hash() -> None:
 # ------------------------------------------------------------------------------------------- scheduler
 
 
-@pytest.fixture(scope="module")
-def config(tiny_models: Any) -> ModelConfig:
-    return ModelConfig.from_dir(tiny_models["llama"])
-
-
 @pytest.fixture
 def manager(config: ModelConfig, tiny_models: Any, tiny_adapter_factory: Any) -> AdapterManager:
     m = AdapterManager(config, max_loras=2, max_cpu_loras=4, max_lora_rank=64, device=CPU)

@@ -23,11 +23,6 @@ class Clock:
         return self.now
 
 
-@pytest.fixture(scope="module")
-def config(tiny_models: Any) -> ModelConfig:
-    return ModelConfig.from_dir(tiny_models["llama"])
-
-
 @pytest.fixture
 def manager(config: ModelConfig, tiny_models: Any, tiny_adapter_factory: Any) -> AdapterManager:
     """One GPU slot, adapters "a" and "b"."""
