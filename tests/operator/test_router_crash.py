@@ -43,7 +43,8 @@ class Pair:
             worker.spawn()
         worker.wait_ready()
         body = {"lora_name": ADAPTER, "source": {"uri": f"file://{self.adapter}"}}
-        assert httpx.post(f"{worker.mgmt}/v1/loras", json=body, timeout=60).status_code == 200
+        r = httpx.post(f"{worker.mgmt}/v1/loras", json=body, timeout=60)
+        assert r.status_code == 200, r.text
 
 
 @pytest.fixture(scope="module")

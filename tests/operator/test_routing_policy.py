@@ -127,3 +127,26 @@ async def test_through_the_router_every_turn_of_a_conversation_reaches_the_same_
         for runner in runners:
             await runner.cleanup()
     await asyncio.sleep(0)
+
+
+def test_a_pod_that_goes_away_is_forgotten_by_the_policy() -> None:
+    """Deleted, or back with a new IP: its successor at that address holds none of its prefixes."""
+    policy = CacheAware(chunk_chars=16)
+    table = RoutingTable(inference_port=9090)
+    Router(table, policy=policy)
+    for i in range(3):
+        table.on_pod("ADDED", _pod(i))
+    urls = [f"http://127.0.0.{i + 1}:9090" for i in range(3)]
+    home = policy.choose(urls, {}, Route("m", SYSTEM))
+    names = policy.chunk_names(Route("m", SYSTEM))
+    table.on_pod("MODIFIED", _pod(int(home[-6]) - 1))  # same pod, same IP: remembered
+    assert policy.matched(home, names) == len(names)
+    i = int(home[-6]) - 1
+    moved = _pod(i)
+    moved["status"]["podIP"] = "127.0.0.9"
+    table.on_pod("MODIFIED", moved)  # restarted with a new IP: the old address is gone
+    assert policy.matched(home, names) == 0
+    other = next(u for u in urls if u != home)
+    policy.choose([other], {}, Route("m", SYSTEM))
+    table.on_pod("DELETED", _pod(int(other[-6]) - 1))
+    assert policy.matched(other, names) == 0

@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -57,6 +57,7 @@ class RoutingTable:
     pods: dict[tuple[str, str], Pod] = field(default_factory=dict)
     created: dict[str, int] = field(default_factory=dict)
     by_name: dict[str, dict[tuple[str, str], Model]] = field(default_factory=dict)  # modelName -> its models
+    on_endpoint_gone: Callable[[str], None] | None = None  # a pod's URL stopped existing (deleted, new IP)
 
     def on_model(self, kind: str, body: Mapping[str, Any]) -> None:
         model = Model.from_body(body)
@@ -73,10 +74,13 @@ class RoutingTable:
 
     def on_pod(self, kind: str, body: Mapping[str, Any]) -> None:
         pod = Pod.from_body(body)
-        if kind == "DELETED":
-            self.pods.pop((pod.namespace, pod.name), None)
-        else:
-            self.pods[(pod.namespace, pod.name)] = pod
+        key = (pod.namespace, pod.name)
+        old = self.pods.pop(key, None) if kind == "DELETED" else self.pods.get(key)
+        if kind != "DELETED":
+            self.pods[key] = pod
+        old_ip = old.ip if old is not None else None
+        if old_ip and (kind == "DELETED" or old_ip != pod.ip) and self.on_endpoint_gone is not None:
+            self.on_endpoint_gone(self._url(old_ip))
 
     def _url(self, ip: str) -> str:
         return f"http://{ip}:{self.inference_port}"
@@ -166,6 +170,13 @@ class Router:
         self.demand = demand or DemandTracker()
         self.inflight: defaultdict[str, int] = defaultdict(int)
         self._session: aiohttp.ClientSession | None = None
+        table.on_endpoint_gone = self._endpoint_gone
+
+    def _endpoint_gone(self, endpoint: str) -> None:
+        """A pod went away: its routing history says nothing about its successor at that address."""
+        self.policy.forget(endpoint)
+        if not self.inflight.get(endpoint):
+            self.inflight.pop(endpoint, None)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -293,7 +304,7 @@ class Router:
             try:
                 if upstream.status in RETRY_STATUS:
                     last = (upstream.status, await upstream.read(), upstream.content_type)
-                    if self.choose(endpoints, tried) is not None or kind == "adapter":
+                    if any(e not in tried for e in endpoints) or kind == "adapter":
                         sent(False)
                         continue
                 if not streaming:

@@ -49,6 +49,10 @@ class RoutingPolicy(Protocol):
         """One of `endpoints` (not empty) for `route` (None when the request has none)."""
         ...
 
+    def forget(self, endpoint: str) -> None:
+        """Drop what the policy remembers of `endpoint` (its pod went away)."""
+        ...
+
 
 def fewest_in_flight(endpoints: Sequence[str], inflight: Mapping[str, int]) -> str:
     fewest = min(inflight.get(e, 0) for e in endpoints)
@@ -60,6 +64,9 @@ class FewestInFlight:
 
     def choose(self, endpoints: Sequence[str], inflight: Mapping[str, int], route: Route | None) -> str:
         return fewest_in_flight(endpoints, inflight)
+
+    def forget(self, endpoint: str) -> None:
+        """Nothing to forget: this policy keeps no history."""
 
 
 class CacheAware:
