@@ -245,6 +245,8 @@ def prefix_section(data: dict[str, Any] | None) -> list[str]:
     cols = ["requests", "ttft_p50_s", "ttft_p99_s", "tokens_per_s", "hit_rate", "max_over_mean_load"]
 
     def fmt(v: Any) -> Any:
+        if isinstance(v, list):
+            return ", ".join(str(fmt(x)) for x in v)
         return round(v, 3) if isinstance(v, float) else v
 
     rows = [[name, *(fmt(r.get(c)) for c in cols)] for name, r in data["results"].items()]
