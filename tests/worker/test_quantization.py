@@ -99,8 +99,9 @@ async def test_engine_matches_peft_on_the_dequantized_weights(
 
     model_dir = Path(tiny_models["llama"])
     adapters = {name: tiny_adapter_factory(model_dir, **kw) for name, kw in ADAPTERS.items()}
-    engine = Engine(model_dir, dtype="float32", max_loras=2, block_size=4, max_model_len=128, num_kv_blocks=128)
-    assert engine.model.quantize_weights(method) == 4 * engine.config.num_hidden_layers + 1
+    engine = Engine(model_dir, dtype="float32", max_loras=2, block_size=4, max_model_len=128, num_kv_blocks=128,
+                    quantization=method)  # fmt: skip
+    assert len(engine.model.packed_weights()) == 4 * engine.config.num_hidden_layers + 1
     assert engine.model.layers[0].qkv_w.numel() == 0  # the dense copy is released
     await engine.start()
     try:
@@ -161,3 +162,22 @@ async def test_the_worker_serves_the_quantized_weights(tiny_models: Any) -> None
         assert isinstance(model.packed_head, QuantizedWeight)
     finally:
         await service.stop()
+
+
+@pytest.mark.parametrize("method", quantization.METHODS)
+def test_the_memory_plan_counts_quantized_weights_and_gives_the_kv_cache_what_they_free(
+    method: str, tiny_models: Any
+) -> None:
+    # ~14 MiB of activations and 0.5 MiB of weights: the KV cache gets a few MiB, less than 64 sequences could use
+    kw: dict[str, Any] = dict(dtype="float32", max_loras=0, max_num_seqs=64, memory_budget="17MiB")
+    dense = Engine(tiny_models["llama"], **kw)
+    quantized = Engine(tiny_models["llama"], **kw, quantization=method)
+    assert quantized.memory_plan is not None and dense.memory_plan is not None
+    assert quantized.memory_plan.weights == quantized.model.weight_nbytes()
+    assert quantized.memory_plan.weights < dense.memory_plan.weights / 2
+    assert quantized.memory_plan.kv_blocks > dense.memory_plan.kv_blocks
+
+
+def test_an_unsupported_quantization_is_refused_before_the_model_loads(tiny_models: Any) -> None:
+    with pytest.raises(ValueError, match="unknown quantization 'fp8'"):
+        Engine(tiny_models["llama"], max_loras=0, num_kv_blocks=64, quantization="fp8")

@@ -37,6 +37,7 @@ from lorafleet_worker.memory import (
     weight_bytes,
 )
 from lorafleet_worker.model import LoRAContext, Transformer, cpu_attention, cpu_linear, parse_dtype
+from lorafleet_worker.model.quantization import check_supported as check_quantization
 from lorafleet_worker.omp_threads import on_fresh_thread, serial, size_team
 from lorafleet_worker.sampling import (
     SamplingParams,
@@ -147,10 +148,12 @@ class Engine:
         slot_aging_s: float = 1.0,
         enable_prefix_caching: bool = True,
         kv_events: KVEventsConfig | None = None,
+        quantization: str | None = None,
     ) -> None:
         """`dtype` / `lora_backend` "auto": see devices.py; `memory_budget` (a fraction or a size, see
         memory.py) sizes the KV cache unless `num_kv_blocks` is given; `enable_prefix_caching`: see scheduler.py;
-        `kv_events`: publish the prefix cache's KV events (kv_events.py)."""
+        `kv_events`: publish the prefix cache's KV events (kv_events.py); `quantization`: weight-only int8 /
+        int4 base linears (model/quantization.py), counted as such by the memory plan."""
         size_team()
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
@@ -165,6 +168,9 @@ class Engine:
         dtype_name, why_dtype = resolve_dtype(dtype, self.config.torch_dtype, self.device)
         backend_name, why_backend = resolve_lora_backend(lora_backend, self.device)
         self.dtype = parse_dtype(dtype_name)
+        if quantization is not None:
+            check_quantization(quantization, self.device, self.dtype)
+        self.quantization = quantization
         log.info("dtype %s: %s; LoRA backend %s: %s", dtype_name, why_dtype, backend_name, why_backend)
         self.lora_backend_name = backend_name
         max_num_batched_tokens = max_num_batched_tokens or max(2048, max_num_seqs)
@@ -203,6 +209,9 @@ class Engine:
         self.model = Transformer.from_pretrained(
             self.model_dir, device=self.device, dtype=self.dtype, config=self.config, attn_backend=attn_backend
         )
+        if quantization is not None:
+            n = self.model.quantize_weights(quantization)
+            log.info("quantized %d base weights to %s", n, quantization)
         self.kv = PagedKVCache(
             self.config, num_blocks=num_kv_blocks, block_size=block_size, device=self.device, dtype=self.dtype
         )
@@ -239,7 +248,10 @@ class Engine:
             budget=budget_bytes,
             budget_source=budget_source,
             weights=weight_bytes(
-                self.config, self.dtype, packed_head_copy=self.device.type == "cpu" and cpu_linear.packs(self.dtype)
+                self.config,
+                self.dtype,
+                packed_head_copy=self.device.type == "cpu" and cpu_linear.packs(self.dtype),
+                quantization=self.quantization,
             ),
             lora=self.manager.pool.nbytes if self.manager is not None else 0,
             activations=activation_bytes(

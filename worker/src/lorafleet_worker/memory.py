@@ -122,20 +122,30 @@ def fmt_bytes(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / (1 << 20):.1f} MiB"
 
 
-def weight_bytes(config: ModelConfig, dtype: torch.dtype, packed_head_copy: bool = False) -> int:
+def weight_bytes(
+    config: ModelConfig, dtype: torch.dtype, packed_head_copy: bool = False, quantization: str | None = None
+) -> int:
     """Bytes of the base model's weights in `dtype` (from the config; biases and norms included).
 
     `packed_head_copy`: a tied lm_head also has a packed copy beside the embedding (CPU, `model/cpu_linear.py`).
+    `quantization`: the projections and the lm_head are held quantized (`model/quantization.py`); a tied
+    lm_head's quantized copy sits beside the embedding.
     """
     h, inter, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
-    if config.attention_bias:
-        per_layer += q + 2 * kv
-    if config.qk_norm:
-        per_layer += 2 * config.head_dim
-    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings and not packed_head_copy else 2)
-    params = config.num_hidden_layers * per_layer + embeddings + h
-    return params * dtype.itemsize
+    linears = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]  # [out, in]: qkv, o, gate_up, down
+    small = 2 * h + (q + 2 * kv if config.attention_bias else 0) + (2 * config.head_dim if config.qk_norm else 0)
+    vocab = config.vocab_size
+    if quantization is None:
+        per_layer = sum(o * i for o, i in linears) * dtype.itemsize
+        head_copies = 0 if config.tie_word_embeddings and not packed_head_copy else 1
+        head = head_copies * vocab * h * dtype.itemsize
+    else:
+        from lorafleet_worker.model.quantization import quantized_nbytes
+
+        per_layer = sum(quantized_nbytes(o, i, quantization, dtype) for o, i in linears)
+        head = quantized_nbytes(vocab, h, quantization, dtype)
+    per_layer += small * dtype.itemsize
+    return config.num_hidden_layers * per_layer + (vocab * h + h) * dtype.itemsize + head
 
 
 def activation_bytes(config: ModelConfig, *, max_num_batched_tokens: int, max_num_seqs: int, dtype: torch.dtype) -> int:

@@ -69,6 +69,7 @@ class WorkerSettings:
             "lora_backend": self.lora_backend,
             "enable_prefix_caching": self.enable_prefix_caching,
             "kv_events": self.kv_events,
+            "quantization": self.quantization,
         }
         if self.memory_budget is not None:
             kwargs["memory_budget"] = self.memory_budget
@@ -160,13 +161,9 @@ class WorkerService:
         from lorafleet_sync.sources import AdapterSources
 
         from lorafleet_worker.engine import Engine
-        from lorafleet_worker.omp_threads import run_in_fresh_thread
 
         tokenizer = await asyncio.to_thread(Tokenizer.from_dir, s.model_dir, chat_template=s.chat_template)
         engine = await asyncio.to_thread(Engine, s.model_dir, **s.engine_kwargs())
-        if s.quantization:  # on a thread that ends with it, like the engine's setup (omp_threads.py)
-            n = await asyncio.to_thread(run_in_fresh_thread, engine.model.quantize_weights, s.quantization)
-            log.info("quantized %d base weights to %s", n, s.quantization)
         await engine.start()
         self._sources = AdapterSources.from_env(cache_dir=s.lora_cache_dir)
         self.metrics.attach_engine(

@@ -82,6 +82,13 @@ def quantize(w: Tensor, method: str) -> QuantizedWeight:
     return QuantizedWeight("int4", packed, scales, (out_dim, in_dim), dtype)
 
 
+def quantized_nbytes(out_dim: int, in_dim: int, method: str, dtype: torch.dtype) -> int:
+    """Bytes `quantize` gives for an [out_dim, in_dim] weight (what the memory plan counts, memory.py)."""
+    if method == "int8":
+        return out_dim * in_dim + out_dim * dtype.itemsize
+    return out_dim * in_dim // 2 + (in_dim // INT4_GROUP) * out_dim * 2 * dtype.itemsize
+
+
 def check_supported(method: str, device: torch.device, dtype: torch.dtype) -> None:
     """Raise ValueError naming what does not fit: the method, or int4 on CUDA with non-bf16 activations."""
     if method not in METHODS:
@@ -90,4 +97,4 @@ def check_supported(method: str, device: torch.device, dtype: torch.dtype) -> No
         raise ValueError("--quantization int4 on CUDA needs --dtype bfloat16 (the tinygemm kernel's)")
 
 
-__all__ = ["INT4_GROUP", "METHODS", "QuantizedWeight", "check_supported", "quantize"]
+__all__ = ["INT4_GROUP", "METHODS", "QuantizedWeight", "check_supported", "quantize", "quantized_nbytes"]
