@@ -8,7 +8,8 @@ Workloads, on in-process engines (the same code the worker serves; no HTTP, so T
   cache-aware vs fewest-in-flight, both with the cache on.
 - no-reuse: every request a random prompt of the same length, cache on / off: what the cache costs.
   A small difference on a shared 2-core machine, so it is measured in `--noreuse-rounds` interleaved
-  pairs (the order alternates each round) and summarised by the median of the per-round ratios.
+  pairs (the order alternates each round) and summarised by the median of the per-round ratios, of
+  wall-clock throughput and of tokens per CPU second (what the work cost, whatever else ran meanwhile).
 
 Reports TTFT p50/p99, generated tokens/s, prefix-cache hit rate (vLLM's counters) and, through the router,
 max/mean requests per pod. Writes bench/prefix.json and bench/prefix.png.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import resource
 import statistics
 import sys
 import time
@@ -69,6 +71,12 @@ class Fleet:
         return int(self.policy.choose(keys, loads, Route(adapter, " ".join(map(str, prompt)))))
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process (every engine thread): what the work cost, whatever else runs."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 async def run_workload(fleet: Fleet, args: argparse.Namespace, systems: list[list[int]], reuse: bool) -> dict[str, Any]:
     from lorafleet_worker.sampling import SamplingParams
 
@@ -109,9 +117,9 @@ async def run_workload(fleet: Fleet, args: argparse.Namespace, systems: list[lis
         async with sem:
             await one(*c)
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_seconds()
     await asyncio.gather(*(limited(c) for c in convs))
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
     queries = sum(e.stats.prefix_cache_queries for e in fleet.engines)
     hits = sum(e.stats.prefix_cache_hits for e in fleet.engines)
     routed = list(fleet.routed.values())
@@ -120,6 +128,7 @@ async def run_workload(fleet: Fleet, args: argparse.Namespace, systems: list[lis
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p99_s": percentile(ttfts, 99),
         "tokens_per_s": generated / wall,
+        "tokens_per_cpu_s": generated / cpu,
         "wall_s": wall,
         "hit_rate": hits / queries if queries else 0.0,
         "routed_per_pod": routed,
@@ -184,13 +193,15 @@ async def main_async(args: argparse.Namespace) -> None:
         log(f"{name} ...")
         results[name] = await scenario(args, **kw)
         log(f"{name}: {results[name]}")
-    ratios = []
+    ratios, cpu_ratios = [], []
     for k in range(args.noreuse_rounds):
         pair = {}
         for caching in (True, False) if k % 2 == 0 else (False, True):
             pair[caching] = await scenario(args, pods=1, caching=caching, policy=None, reuse=False)
         ratios.append(pair[True]["tokens_per_s"] / pair[False]["tokens_per_s"])
-        log(f"no-reuse round {k + 1}/{args.noreuse_rounds}: cache on / off throughput {ratios[-1]:.3f}")
+        cpu_ratios.append(pair[True]["tokens_per_cpu_s"] / pair[False]["tokens_per_cpu_s"])
+        log(f"no-reuse round {k + 1}/{args.noreuse_rounds}: cache on / off throughput {ratios[-1]:.3f}, "
+            f"per CPU second {cpu_ratios[-1]:.3f}")  # fmt: skip
         for caching, name in ((True, "noreuse-1pod-cache"), (False, "noreuse-1pod-nocache")):
             results.setdefault(name, pair[caching])  # the tables show the first round; the summary uses them all
     r = results
@@ -200,6 +211,7 @@ async def main_async(args: argparse.Namespace) -> None:
         "router_max_over_mean_cache_aware": r["chat-3pods-cache-aware"]["max_over_mean_load"],
         "noreuse_throughput_ratio": statistics.median(ratios),
         "noreuse_throughput_ratio_per_round": ratios,
+        "noreuse_tokens_per_cpu_s_ratio": statistics.median(cpu_ratios),
     }
     log(f"summary: {summary}")
     write_json("prefix", {"machine": machine(), "args": vars(args), "results": results, "summary": summary})
