@@ -56,9 +56,13 @@ def ask_side_by_side(
             for label, model in models.items():
                 answer = chat(client, url, model, question)
                 answers[question][label] = answer
-                text = textwrap.shorten(" ".join(answer.split()), width=width - 16, placeholder=" …")
-                print(f"    {label:<12} {text}", flush=True)
+                print(f"    {label:<12} {one_line(answer, width - 16)}", flush=True)
     return answers
+
+
+def one_line(text: str, width: int) -> str:
+    """`text` on one line, shortened to `width` characters."""
+    return textwrap.shorten(" ".join(text.split()), width=width, placeholder=" …")
 
 
 # The json_schema question: the shape the JSON adapter was trained on (demo/adapter_data.py).
@@ -92,7 +96,9 @@ def ask_json_schema(
     return answers
 
 
-def ask_tool_call(url: str, models: Mapping[str, str], question: str = TOOL_QUESTION) -> dict[str, dict[str, Any]]:
+def ask_tool_call(
+    url: str, models: Mapping[str, str], question: str = TOOL_QUESTION, width: int = 100
+) -> dict[str, dict[str, Any]]:
     """Ask each (label -> model) `question` with the demo's tools and `tool_choice: "auto"`; print each answer
     (its text, or the calls made) and return the messages."""
     print(f"\n  Q (tools {', '.join(t['function']['name'] for t in TOOLS)}, tool_choice auto): {question}", flush=True)
@@ -107,7 +113,7 @@ def ask_tool_call(url: str, models: Mapping[str, str], question: str = TOOL_QUES
             choice = r.json()["choices"][0]
             message = answers[label] = choice["message"]
             calls = [f"{c['function']['name']}({c['function']['arguments']})" for c in message.get("tool_calls") or []]
-            text = "; ".join(calls) or " ".join((message["content"] or "").split())
+            text = one_line("; ".join(calls) or message["content"] or "", width - 16)
             print(f"    {label:<12} {text}  ({choice['finish_reason']})", flush=True)
     return answers
 
