@@ -67,13 +67,14 @@ CHECK_ADAPTERS = 4
 
 
 def trained_or_generated(model: Path) -> tuple[dict[str, Path], bool]:
-    """The four trained adapters when `demo.train_adapters` has built them here, else generated stand-ins."""
+    """The four answer-style adapters when `demo.train_adapters` has built them here, else generated stand-ins."""
+    from demo.adapter_data import STYLES
     from demo.train_adapters import READY, RECIPES, adapters_dir
 
     root = adapters_dir()
-    if all((root / style / READY).is_file() for style in RECIPES):
-        return {style: root / style for style in RECIPES}, True
-    return {s: bench_adapter(model, 200 + i, r.rank, r.targets) for i, (s, r) in enumerate(RECIPES.items())}, False
+    if all((root / style / READY).is_file() for style in STYLES):
+        return {style: root / style for style in STYLES}, True
+    return {s: bench_adapter(model, 200 + i, RECIPES[s].rank, RECIPES[s].targets) for i, s in enumerate(STYLES)}, False
 
 
 def scenario_adapters(scenario: str, model: Path, trained: dict[str, Path]) -> list[tuple[str, Path]]:

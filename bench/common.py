@@ -69,12 +69,15 @@ def real_model() -> Path:
 
 
 def trained_adapters(base: Path) -> dict[str, Path]:
-    """The demo's four trained adapters (demo.train_adapters); under SMOKE, random ones of the same shapes."""
+    """The demo's four answer-style adapters (demo.train_adapters; not the tools adapter); under SMOKE, random
+    ones of the same shapes."""
+    from demo.adapter_data import STYLES
     from demo.train_adapters import RECIPES, trained_adapters
 
     if SMOKE:
-        return {s: bench_adapter(base, i, r.rank, r.targets) for i, (s, r) in enumerate(RECIPES.items())}
-    return trained_adapters()
+        return {s: bench_adapter(base, i, RECIPES[s].rank, RECIPES[s].targets) for i, s in enumerate(STYLES)}
+    adapters = trained_adapters()
+    return {s: adapters[s] for s in STYLES}
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -5,11 +5,13 @@
 - `prepare()` before the cluster starts: the converted model and the trained adapters (cached;
   the first run on a machine trains them, a few minutes);
 - `worker_group(model)`: chart values for one CPU worker serving the model from a read-only
-  hostPath volume (the cache directory), next to the demo's tiny Qwen3 group;
+  hostPath volume (the cache directory), `tool_choice: "auto"` on (Hermes parser), next to the
+  demo's tiny Qwen3 group;
 - `deploy_adapters(release, adapters)`: uploads each adapter to the chart's MinIO and applies one
   DynamoModel per adapter (`s3://` source);
 - `show(release)`: waits for them to be Ready and asks the base model and every adapter the same
-  questions through the router, printed side by side.
+  questions through the router, printed side by side; then the `json_schema` question (base
+  model and JSON adapter) and the `auto` tool question (base model and tools adapter).
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ from typing import Any
 import yaml
 
 from demo.real_model import SERVED_NAME, prepare_model
-from demo.side_by_side import ADAPTER_MODELS, ask_json_schema, ask_side_by_side, describe, models_to_ask
+from demo.side_by_side import (
+    ADAPTER_MODELS,
+    AUTO_TOOL_ARGS,
+    ask_json_schema,
+    ask_side_by_side,
+    ask_tool_call,
+    describe,
+    models_to_ask,
+)
 from demo.train_adapters import trained_adapters
 
 BUCKET_PREFIX = "s3://lorafleet/smollm2"
@@ -41,6 +51,7 @@ def worker_group(model: Path, replicas: int = 1) -> dict[str, Any]:
         "dtype": "float32",
         "maxLoras": len(ADAPTER_MODELS),
         "maxModelLen": 1024,
+        "extraArgs": AUTO_TOOL_ARGS,
         "model": {
             "volume": {"hostPath": {"path": str(model.parent), "type": "Directory"}},
             "path": model.name,
@@ -83,3 +94,5 @@ def show(release: Any, adapters: dict[str, Path], say: Any = print) -> None:
     ask_side_by_side(router, models_to_ask())
     say("the same json_schema answer asked of the base model and of the JSON adapter (structured output)")
     ask_json_schema(router, {"base": SERVED_NAME, "json": ADAPTER_MODELS["json"]})
+    say('a weather question with tools and tool_choice "auto" to the base model and the tools adapter')
+    ask_tool_call(router, {"base": SERVED_NAME, "tools": ADAPTER_MODELS["tools"]})

@@ -8,7 +8,7 @@ them NVIDIA Dynamo's manifest, verbatim), waits for Ready, and asks every adapte
 router. The tiny models have random weights, so their text is noise: for them the demo shows what a
 person can check (Ready, where each adapter is placed, that an answer streamed through the router, and
 its speed). Beside them, a worker group serves the real model (SmolLM2-135M-Instruct, `demo.real_model`)
-with four adapters trained on this machine (`demo.train_adapters`), and the demo prints the answers
+with five adapters trained on this machine (`demo.train_adapters`), and the demo prints the answers
 of the base model and of each adapter to the same questions side by side (`demo.real_fleet`).
 `DEMO_KEEP=1` keeps everything running and prints how to reach it.
 

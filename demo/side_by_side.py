@@ -5,7 +5,10 @@ demo passes the router's URL (`demo.run_demo`), `python -m demo.side_by_side` (o
 starts one worker with the real model and loads the adapters itself, without Kubernetes.
 Greedy decoding, so the same question gives the same answer every run. `ask_json_schema` then
 asks the base model and the JSON adapter for the same `json_schema` answer (structured output): the
-grammar makes both valid; the adapter was trained to give it.
+grammar makes both valid; the adapter was trained to give it. `ask_tool_call` asks the base model and
+the tools adapter a weather question with `tools` and `tool_choice: "auto"` (the worker started with
+`--enable-auto-tool-choice --tool-call-parser hermes`): the base model, never trained for tools,
+answers in words; the adapter calls `get_weather`.
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ from typing import Any
 import httpx
 from lorafleet_worker.demo import run_in_workdir
 
-from demo.adapter_data import DEMO_QUESTIONS, STYLES
+from demo.adapter_data import ADAPTERS, DEMO_QUESTIONS, TOOL_QUESTION, TOOLS
 from demo.real_model import SERVED_NAME, prepare_model
 from demo.train_adapters import trained_adapters
 
 MAX_TOKENS = 40
 # The OpenAI model name each trained adapter is served under.
-ADAPTER_MODELS = {style: f"smollm2-{style}" for style in STYLES}
+ADAPTER_MODELS = {style: f"smollm2-{style}" for style in ADAPTERS}
+# What `ask_tool_call` needs of the worker (vLLM's flags).
+AUTO_TOOL_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
 def chat(client: httpx.Client, url: str, model: str, question: str) -> str:
@@ -51,9 +56,13 @@ def ask_side_by_side(
             for label, model in models.items():
                 answer = chat(client, url, model, question)
                 answers[question][label] = answer
-                text = textwrap.shorten(" ".join(answer.split()), width=width - 16, placeholder=" …")
-                print(f"    {label:<12} {text}", flush=True)
+                print(f"    {label:<12} {one_line(answer, width - 16)}", flush=True)
     return answers
+
+
+def one_line(text: str, width: int) -> str:
+    """`text` on one line, shortened to `width` characters."""
+    return textwrap.shorten(" ".join(text.split()), width=width, placeholder=" …")
 
 
 # The json_schema question: the shape the JSON adapter was trained on (demo/adapter_data.py).
@@ -87,6 +96,28 @@ def ask_json_schema(
     return answers
 
 
+def ask_tool_call(
+    url: str, models: Mapping[str, str], question: str = TOOL_QUESTION, width: int = 100
+) -> dict[str, dict[str, Any]]:
+    """Ask each (label -> model) `question` with the demo's tools and `tool_choice: "auto"`; print each answer
+    (its text, or the calls made) and return the messages."""
+    print(f"\n  Q (tools {', '.join(t['function']['name'] for t in TOOLS)}, tool_choice auto): {question}", flush=True)
+    answers: dict[str, dict[str, Any]] = {}
+    with httpx.Client(timeout=300) as client:
+        for label, model in models.items():
+            body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "tools": TOOLS, "tool_choice": "auto"}  # fmt: skip
+            r = client.post(f"{url}/v1/chat/completions", json=body)
+            if r.status_code != 200:
+                raise RuntimeError(f"{model}: HTTP {r.status_code} {r.text[:300]}")
+            choice = r.json()["choices"][0]
+            message = answers[label] = choice["message"]
+            calls = [f"{c['function']['name']}({c['function']['arguments']})" for c in message.get("tool_calls") or []]
+            text = one_line("; ".join(calls) or message["content"] or "", width - 16)
+            print(f"    {label:<12} {text}  ({choice['finish_reason']})", flush=True)
+    return answers
+
+
 def models_to_ask() -> dict[str, str]:
     """label -> OpenAI model name: the base model, then every adapter."""
     return {"base": SERVED_NAME, **ADAPTER_MODELS}
@@ -106,7 +137,7 @@ def run_single_worker(workdir: Path) -> int:
     env = {"LORAFLEET_FILE_ROOTS": str(next(iter(adapters.values())).parent), "DYN_LORA_PATH": str(workdir / "cache"),
            "LORAFLEET_ADMIN_TOKEN": ""}  # fmt: skip
     with log_path.open("wb") as log:
-        args = ["--max-loras", str(len(adapters)), "--max-model-len", "1024"]
+        args = ["--max-loras", str(len(adapters)), "--max-model-len", "1024", *AUTO_TOOL_ARGS]
         proc = launch_worker(
             model, name=SERVED_NAME, host=host, port=port, system_port=system_port, args=args, env=env, log=log
         )
@@ -122,6 +153,7 @@ def run_single_worker(workdir: Path) -> int:
                 print(f"==> loaded adapter {ADAPTER_MODELS[style]} ({describe(path)})", flush=True)
         ask_side_by_side(url, models_to_ask())
         ask_json_schema(url, {"base": SERVED_NAME, "json": ADAPTER_MODELS["json"]})
+        ask_tool_call(url, {"base": SERVED_NAME, "tools": ADAPTER_MODELS["tools"]})
         return 0
     except WorkerStartError as e:
         print(f"error: {e}\n{log_path.read_text(errors='replace')[-4000:]}", file=sys.stderr)

@@ -1,14 +1,18 @@
 """Train the demo's LoRA adapters on the real model (peft + transformers, CPU, a few minutes), cached.
 
-Each adapter learns one answer style from `demo.adapter_data` (French, pirate, JSON, SQL), with its
-own rank and target modules, so the demo and the benchmarks serve adapters of different shapes:
+Each adapter learns one answer style from `demo.adapter_data` (French, pirate, JSON, SQL, and Hermes
+tool calls for `tool_choice: "auto"`), with its own rank and target modules, so the demo and the
+benchmarks serve adapters of different shapes:
 
   french   rank 16, all seven projections
   pirate   rank 8,  q_proj + v_proj (PEFT's default for Llama)
   json     rank 32, q/k/v/o_proj
   sql      rank 12, gate/up/down_proj
+  tools    rank 24, all seven projections
 
-The loss is on the answer tokens only (the chat prompt is the model's own template). The adapters go
+The loss is on the answer tokens only. The prompt is what the worker itself renders for the same chat
+request (its tokenizer and chat template, the request's `tools` passed as the template's variable), so
+an adapter meets at serving time exactly the tokens it was trained on. The adapters go
 to `$LORAFLEET_CACHE/adapters/smollm2-<digest of the model's files>-<hash of this file and the data
 module>/<style>/`, so a machine trains them once, and again only when the model's weights, the recipe
 or the data change (not when only the model's preparation check does).
@@ -27,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lorafleet_worker.tokenizer import Tokenizer
 
 from demo import adapter_data
 from demo.real_model import READY, cache_root, log, prepare_model, ready_content_digest
@@ -48,6 +54,7 @@ RECIPES: dict[str, Recipe] = {
     "pirate": Recipe(rank=8, alpha=16, targets=("q_proj", "v_proj")),
     "json": Recipe(rank=32, alpha=32, targets=("q_proj", "k_proj", "v_proj", "o_proj")),
     "sql": Recipe(rank=12, alpha=24, targets=("gate_proj", "up_proj", "down_proj")),
+    "tools": Recipe(rank=24, alpha=48, targets=ALL_PROJECTIONS, steps=60),
 }
 
 
@@ -66,10 +73,11 @@ def adapters_dir(recipes: Mapping[str, Recipe] = RECIPES) -> Path:
 
 
 def trained_adapters(recipes: Mapping[str, Recipe] = RECIPES) -> dict[str, Path]:
-    """style -> adapter directory for every style, training the missing ones (minutes each on a CPU)."""
+    """style -> adapter directory for every adapter (`adapter_data.ADAPTERS`), training the missing ones
+    (minutes each on a CPU)."""
     base = prepare_model()
     root = adapters_dir(recipes)
-    missing = [s for s in adapter_data.STYLES if not (root / s / READY).is_file()]
+    missing = [s for s in adapter_data.ADAPTERS if not (root / s / READY).is_file()]
     if missing:
         log(f"training LoRA adapters {', '.join(missing)} on {base.name} (once per machine) into {root}")
         for style in missing:
@@ -82,19 +90,18 @@ def trained_adapters(recipes: Mapping[str, Recipe] = RECIPES) -> dict[str, Path]
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
             log(f"{style}: loss {losses[0]:.2f} -> {losses[-1]:.2f} in {time.monotonic() - t0:.0f} s")
-    return {s: root / s for s in adapter_data.STYLES}
+    return {s: root / s for s in adapter_data.ADAPTERS}
 
 
-def encode(tokenizer: Any, example: adapter_data.Example) -> tuple[list[int], list[int]]:
-    """Token ids of the chat prompt + answer + end of turn, and labels (-100 on the prompt)."""
-    messages = [{"role": "user", "content": example.question}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer(example.answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+def encode(tokenizer: Tokenizer, example: adapter_data.Example) -> tuple[list[int], list[int]]:
+    """Token ids of the chat prompt (as the worker renders the request) + answer + end of turn, and labels
+    (-100 on the prompt)."""
+    prompt_ids = tokenizer.encode_chat(example.messages(), tools=example.tools or None)
+    answer_ids = tokenizer.encode(example.answer + (tokenizer.eos_token or ""), add_special_tokens=False)
     return prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids
 
 
-def batches(tokenizer: Any, examples: list[adapter_data.Example], size: int, steps: int) -> list[dict[str, Any]]:
+def batches(tokenizer: Tokenizer, examples: list[adapter_data.Example], size: int, steps: int) -> list[dict[str, Any]]:
     """`steps` right-padded batches of `size`, cycling over the (already shuffled) examples."""
     import torch
 
@@ -103,7 +110,7 @@ def batches(tokenizer: Any, examples: list[adapter_data.Example], size: int, ste
     for step in range(steps):
         rows = [encoded[(step * size + i) % len(encoded)] for i in range(size)]
         width = max(len(ids) for ids, _ in rows)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        pad = 0  # masked out of attention and loss
         out.append(
             {
                 "input_ids": torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows]),
@@ -129,10 +136,10 @@ def train_adapter(base: Path, style: str, recipe: Recipe, out: Path, seed: int =
     """Train one adapter on `base` and save it (PEFT format) to `out`; returns the loss of every step."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    tokenizer: Any = AutoTokenizer.from_pretrained(base)
+    tokenizer = Tokenizer.from_dir(base)
     auto: Any = AutoModelForCausalLM
     model = auto.from_pretrained(base, dtype=torch.float32)
     config = LoraConfig(

@@ -214,3 +214,12 @@ def load_error(worker: Worker, name: str, uri: str, status: int, headers: dict[s
 def config(tiny_models: Any) -> ModelConfig:
     """The tiny llama's config (scheduler and KV-cache tests)."""
     return ModelConfig.from_dir(tiny_models["llama"])
+
+
+@pytest.fixture(scope="session")
+def trained_adapters() -> dict[str, Path]:
+    """The demo's trained adapters on the real model (demo.train_adapters; trained here, minutes on a CPU,
+    when this machine's cache lacks them): style -> PEFT directory."""
+    from demo.train_adapters import trained_adapters as train_missing
+
+    return train_missing()

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from demo.adapter_data import DEMO_QUESTIONS, STYLES, examples
+from demo.adapter_data import DEMO_QUESTIONS, STYLES, TOOL_QUESTION, TOOLS, TOOLS_STYLE, examples
 from demo.real_model import SERVED_NAME, prepare_model
 from demo.side_by_side import ask_side_by_side
 from demo.train_adapters import RECIPES, train_adapter
@@ -103,6 +103,32 @@ def test_training_data_holds_out_the_demo_questions() -> None:
     assert all(len(set(row)) == len(STYLES) for row in zip(*answers, strict=True))
     shapes = {(r.rank, r.targets) for r in RECIPES.values()}
     assert len(shapes) == len(RECIPES), "every adapter has its own rank and target modules"
+
+
+def test_tools_training_data_is_what_the_hermes_parser_reads() -> None:
+    """The tools adapter learns calls the worker's `--tool-call-parser hermes` parses into arguments of the
+    right tool, plain answers it leaves as content, and answers from tool results; Paris is held out."""
+    from lorafleet_worker.structured.tool_calls import HermesParser
+
+    data = examples(TOOLS_STYLE)
+    assert {e.question for e in data}.isdisjoint({*DEMO_QUESTIONS, TOOL_QUESTION})
+    assert not any("Paris" in json.dumps(e.messages()) + e.answer for e in data)
+    required = {t["function"]["name"]: set(t["function"]["parameters"]["required"]) for t in TOOLS}
+    kinds = {"call": 0, "plain": 0, "result": 0}
+    for e in data:
+        content, calls = HermesParser().parse(e.answer, final=True)
+        if e.context:
+            assert e.context[-1]["role"] == "tool" and not calls and content == e.answer
+            kinds["result"] += 1
+        elif calls:
+            (call,) = calls
+            assert content == "" and call.complete and call.name in required
+            assert set(json.loads(call.arguments)) == required[call.name]
+            kinds["call"] += 1
+        else:
+            assert content == e.answer
+            kinds["plain"] += 1
+    assert min(kinds.values()) >= 40, kinds
 
 
 def test_trained_adapter_is_served(real_model: Path, real_worker: Worker, capsys: pytest.CaptureFixture[str]) -> None:
