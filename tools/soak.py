@@ -321,7 +321,7 @@ class Soak:
     def object_states(self) -> dict[str, bool]:
         """Per DynamoModel: Ready for its generation with its replicas, and held by exactly its placement."""
         items = self.models()
-        held = {p["metadata"]["name"]: self.release.worker_loras(p) for p in self.release.pods("worker")}
+        held = {p["metadata"]["name"]: self._held(p) for p in self.release.pods("worker")}
         out = {}
         for dm in items:
             status, model = dm.get("status") or {}, dm["spec"]["modelName"]
@@ -329,6 +329,13 @@ class Soak:
             holders = {pod for pod, loras in held.items() if model in loras}
             out[dm["metadata"]["name"]] = model_ok(dm) and holders == placement
         return out
+
+    def _held(self, pod: dict[str, Any]) -> set[str]:
+        """What a worker pod holds; nothing while it cannot answer (killed, restarting)."""
+        try:
+            return self.release.worker_loras(pod)
+        except httpx.HTTPError:
+            return set()
 
     # ---- invariants -----------------------------------------------------------------------
     def converged(self) -> tuple[bool, str]:
