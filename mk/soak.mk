@@ -4,6 +4,8 @@
 SOAK_MINUTES ?= 3
 SOAK_SEED ?= 0
 SOAK_REPORT ?= soak-report.json
+SOAK_ARGS ?=
 
-soak: setup  ## chaos soak on the local cluster (SOAK_MINUTES, default 3; SOAK_SEED to replay; JSON report)
-	SOAK_MINUTES=$(SOAK_MINUTES) SOAK_SEED=$(SOAK_SEED) $(PY) tools/soak.py --report $(SOAK_REPORT)
+soak: setup  ## chaos soak on the local cluster (SOAK_MINUTES, default 3; SOAK_SEED to replay; JSON report + timeline PNG)
+	SOAK_MINUTES=$(SOAK_MINUTES) SOAK_SEED=$(SOAK_SEED) $(PY) tools/soak.py --report $(SOAK_REPORT) $(SOAK_ARGS)
+	@echo "soak: report in $(SOAK_REPORT), timeline in $(basename $(SOAK_REPORT)).png"

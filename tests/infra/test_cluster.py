@@ -121,6 +121,21 @@ CRD = {
 }
 
 
+def test_apiserver_restart_keeps_its_port_and_the_cluster_state(tmp_path: Path) -> None:
+    """`LocalCluster.restart` (the soak's API server outage): stopped, down, started with the same flags;
+    the same URL and certificates answer again and what was stored in etcd is still there."""
+    local = LocalCluster(tmp_path / "c3").start()
+    try:
+        local.kubectl("create", "namespace", "kept")
+        before = local.pids["kube-apiserver"]
+        local.restart("kube-apiserver", down=1.0)
+        assert local.pids["kube-apiserver"] != before and not _alive(before)
+        assert local.kubectl("get", "--raw", "/readyz").stdout.strip() == "ok"  # same port, same kubeconfig
+        assert local.kubectl("get", "namespace", "kept", "-o", "name").stdout.strip() == "namespace/kept"
+    finally:
+        local.stop()
+
+
 def test_crd_cel_validation_and_explain(cluster: TestCluster) -> None:
     cluster.kubectl("apply", "-f", "-", input=json.dumps(CRD))
     cluster.kubectl("wait", "--for=condition=Established", "crd/widgets.test.lorafleet.dev", "--timeout=60s")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -281,6 +282,36 @@ def test_deployment_scales_and_readiness_follows_the_probe(cluster: TestCluster)
 
     wait_until(restarted, 60, "a liveness restart")
     assert _http(pod["status"]["podIP"], "/ready") == {}
+    cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def test_a_held_container_stays_down_then_comes_back_in_its_pod(cluster: TestCluster) -> None:
+    """`NodeAgent.hold` (the soak's MinIO outage): the container is killed, not restarted before the hold
+    ends, then restarted in the same pod, on the same IP, with its emptyDir volume's files."""
+    assert cluster.agent is not None
+    ns = cluster.new_namespace("hold")
+    _apply(cluster, *_deployment(ns))
+    [pod] = _scale(cluster, ns, 1)
+    name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
+    marker = Path(_http(ip, "/")["DATA_DIR"]).parent / "kept"
+    marker.write_text("data")
+    before = pod["status"]["containerStatuses"][0]["restartCount"]
+    held_at = time.monotonic()
+    cluster.agent.hold(ns, name, 6.0)
+    wait_until(lambda: not _reachable(ip), 30, "the held container to die")
+    wait_until(lambda: _reachable(ip), 60, "the container to come back after its hold")
+    assert time.monotonic() - held_at >= 6.0  # not restarted (backoff: 1 s) before the hold ended
+    after = cluster.get(f"/api/v1/namespaces/{ns}/pods/{name}")
+    wait_until(
+        lambda: (
+            cluster.get(f"/api/v1/namespaces/{ns}/pods/{name}")["status"]["containerStatuses"][0]["restartCount"]
+            == before + 1
+        ),
+        30,
+        "the restart counted",
+    )
+    assert after["metadata"]["uid"] == pod["metadata"]["uid"] and _http(ip, "/")["POD_IP"] == ip
+    assert marker.read_text() == "data"
     cluster.kubectl("delete", "namespace", ns, "--wait=false")
 
 

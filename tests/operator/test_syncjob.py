@@ -57,6 +57,8 @@ def test_manifest_pins_the_revision_and_is_owned() -> None:
 def test_job_state() -> None:
     assert job_state({})[0] == "running"
     assert job_state({"status": {"active": 1}}) == ("running", "sync Job running (1 active pod(s))")
+    state, message = job_state({"status": {"active": 1, "failed": 2}})  # pods failed on a retryable error
+    assert state == "running" and "2 pod(s) failed" in message
     done = {"status": {"conditions": [{"type": "Complete", "status": "True"}]}}
     assert job_state(done)[0] == "succeeded"
     failed = {"status": {"conditions": [{"type": "Failed", "status": "True", "reason": "PodFailurePolicy",
@@ -112,6 +114,10 @@ async def test_failed_job_is_recreated_with_backoff_and_ttl_never_resyncs() -> N
     assert first.state == "running" and first.revision == SHA
     (job,) = kube.jobs.values()
     assert job["spec"]["activeDeadlineSeconds"] == 3600 and job["spec"]["ttlSecondsAfterFinished"] == 3600
+    job["status"] = {"active": 1, "failed": 1}  # a pod exited 75 (the hub failing): the Job retries it
+    retrying = await jobs.ensure(pinned, source)
+    assert retrying.state == "running" and retrying.reason == "SyncJobRetrying"
+    assert "1 pod(s) failed" in retrying.message
     fail(job, seconds_ago=5)  # first backoff: 30 s
     gets = kube.job_gets
     waiting = await jobs.ensure(pinned, source)

@@ -14,7 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
+from lorafleet_worker.engine_errors import EngineUnavailableError
 from lorafleet_worker.sampling import SamplingParams
+from lorafleet_worker.server_inference import build_inference_app
 from lorafleet_worker.server_management import build_management_app
 from lorafleet_worker.service import WorkerService, WorkerSettings
 
@@ -122,15 +124,40 @@ async def test_stall_check_can_be_turned_off(service: WorkerService, monkeypatch
     assert len(await asyncio.wait_for(task, 30)) == 4
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-async def test_dead_engine_loop_fails_health_and_ready(service: WorkerService, monkeypatch: pytest.MonkeyPatch) -> None:
+def _kill_loop(svc: WorkerService, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next step ends the engine thread (the test build of a fatal error in the step loop)."""
+
     def die() -> None:
         raise _Killed("engine thread killed by the test")
 
-    _patch_step(service, monkeypatch, die)
+    _patch_step(svc, monkeypatch, die)
+
+
+async def test_dead_engine_loop_fails_health_and_ready(service: WorkerService, monkeypatch: pytest.MonkeyPatch) -> None:
+    _kill_loop(service, monkeypatch)
     task = _submit(service, "killed")
+    with pytest.raises(EngineUnavailableError, match="_Killed: engine thread killed by the test"):
+        await asyncio.wait_for(task, 30)  # the request in flight fails at once instead of hanging
     r = await _until(service, "/health", 503)
     assert r.json()["message"] == "the engine loop has stopped"
     ready = await _probe(service, "/ready")
     assert ready.status_code == 503 and ready.json()["message"] == "the engine loop has stopped"
-    task.cancel()
+
+
+async def test_dead_engine_answers_503_so_the_router_retries(
+    service: WorkerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request in flight when the loop dies and every later one, streamed or not, get a 503
+    (not a 500: the router retries 404/503 on another holder), before any byte of an answer."""
+    _kill_loop(service, monkeypatch)
+    transport = httpx.ASGITransport(app=build_inference_app(service))
+    body = {"model": "tiny", "prompt": [5, 17, 42], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    async with httpx.AsyncClient(transport=transport, base_url="http://worker", timeout=30) as client:
+        in_flight = await client.post("/v1/completions", json=body)
+        assert in_flight.status_code == 503, in_flight.text
+        assert in_flight.json()["error"]["code"] == "engine_unavailable"
+        assert "the engine loop died" in in_flight.json()["error"]["message"]
+        for stream in (False, True):
+            later = await client.post("/v1/completions", json={**body, "stream": stream})
+            assert later.status_code == 503, (stream, later.text)
+            assert later.json()["error"]["code"] == "engine_unavailable"

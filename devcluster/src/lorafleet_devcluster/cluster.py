@@ -182,6 +182,7 @@ class LocalCluster:
         self.workdir = Path(tempfile.mkdtemp(prefix="lorafleet-cluster-")) if workdir is None else workdir
         self.detach = detach
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._argv: dict[str, list[str]] = {}  # how each process was started (for `restart`)
         self.port = 0
         self.kubeconfig = self.workdir / "admin.kubeconfig"
         self.ca: CertificateAuthority | None = None
@@ -295,6 +296,17 @@ class LocalCluster:
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
+    def restart(self, name: str, down: float = 0.0, timeout: float = 180.0) -> None:
+        """Stop one process (SIGTERM; kube-apiserver or kube-controller-manager), keep it down for `down`
+        seconds (an outage), start it again with the same flags (port, certificates) and, for the
+        apiserver, wait until it answers `/readyz` again."""
+        argv = self._argv[name]
+        terminate([self.procs[name]], grace=3.0)
+        time.sleep(down)  # the outage itself
+        self._run(name, Path(argv[0]), *argv[1:])
+        if name == "kube-apiserver":
+            wait_until(lambda: self._alive(name) and self._get("/readyz") == "ok", timeout, "apiserver /readyz")
+
     def __enter__(self) -> LocalCluster:
         return self.start()
 
@@ -331,7 +343,8 @@ class LocalCluster:
         logs = self.workdir / "logs"
         logs.mkdir(exist_ok=True)
         tie = not self.detach and threading.current_thread() is threading.main_thread()
-        self.procs[name] = spawn([str(binary), *flags], logs / f"{name}.log", tie=tie)
+        self._argv[name] = [str(binary), *flags]
+        self.procs[name] = spawn(self._argv[name], logs / f"{name}.log", tie=tie)
 
     def _alive(self, name: str) -> bool:
         if self.procs[name].poll() is not None:

@@ -11,7 +11,9 @@ branch. Served, as the real ``huggingface_hub`` client requests them (checked wi
 
 Errors carry the Hub's ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``) so
 the client raises its usual exceptions. With ``token`` set, every request needs
-``Authorization: Bearer <token>``. ``downloads`` counts file GETs; ``requests`` logs every request.
+``Authorization: Bearer <token>``. With ``failing_downloads`` set to a status (e.g. 503), file
+downloads answer it while the metadata endpoints keep working (a storage outage behind the Hub).
+``downloads`` counts file GETs; ``requests`` logs every request.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class LocalHub:
         self.host = host
         self.downloads: Counter[str] = Counter()  # "org/repo/path" -> file GETs
         self.requests: list[tuple[str, str]] = []  # (method, path)
+        self.failing_downloads: int | None = None  # while set, file downloads answer this status (an outage)
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -233,6 +236,8 @@ class _Handler(BaseHTTPRequestHandler):
                 if rest == ["refs"]:
                     return self._list_refs(repo_id)
             if len(parts) >= 5 and parts[2] == "resolve":
+                if self.hub.failing_downloads is not None:
+                    raise _HubError(self.hub.failing_downloads, None, "file downloads are failing (test outage)")
                 return self._resolve(method, f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:]))
             raise _HubError(404, None, f"no route for {split.path}")
         except _HubError as err:

@@ -202,6 +202,7 @@ class Container:
     liveness: Prober | None = None
     startup: Prober | None = None
     runtime_name: str | None = None  # the podman container's name in container mode
+    held_until: float = 0.0  # `NodeAgent.hold`: not restarted before this (monotonic)
 
     @property
     def name(self) -> str:
@@ -290,6 +291,7 @@ class NodeAgent:
         self._probes = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
         self._bind_tried: dict[str, float] = {}
         self._synced = threading.Event()
+        self._holds: list[tuple[str, str, str | None, float]] = []  # (ns, pod, container, until), under _pods_lock
 
     # -- life cycle ---------------------------------------------------------------------------------------
     def start(self) -> NodeAgent:
@@ -342,6 +344,28 @@ class NodeAgent:
         logs = sorted(uids[-1].glob("*.log"))
         chosen = next((p for p in logs if p.stem == container), None) if container else (logs[0] if logs else None)
         return chosen.read_text(errors="replace") if chosen else ""
+
+    # -- faults for tests ---------------------------------------------------------------------------------
+    def hold(self, namespace: str, name: str, seconds: float, container: str | None = None) -> None:
+        """An outage of a pod's container (its first by default): SIGKILLed at the next tick and not
+        restarted for `seconds`, then restarted as after a crash, with the pod's IP, ports and volumes."""
+        with self._pods_lock:
+            self._holds.append((namespace, name, container, time.monotonic() + seconds))
+
+    def _apply_holds(self) -> None:
+        """Loop thread: kill each held container (its process group) and keep it down until its time."""
+        with self._pods_lock:
+            holds, self._holds = self._holds, []
+        for namespace, name, container, until in holds:
+            run = next((r for r in self.runs.values() if r.key == f"{namespace}/{name}" and not r.gone), None)
+            c = None if run is None else next((c for c in run.apps if container in (None, c.name)), None)
+            if c is None:
+                print(f"nodeagent: hold {namespace}/{name}: no such pod or container here", file=sys.stderr)
+                continue
+            c.held_until = until
+            if c.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(c.proc.pid, signal.SIGKILL)
 
     # -- node ---------------------------------------------------------------------------------------------
     def _node_status(self) -> JSON:
@@ -490,6 +514,7 @@ class NodeAgent:
 
     def _run_loop(self) -> None:
         while not self._stop.wait(TICK):
+            self._apply_holds()
             with self._pods_lock:
                 pods = dict(self._pods)
             for uid, pod in pods.items():
@@ -590,7 +615,7 @@ class NodeAgent:
                 if c.kill_deadline is not None and now > c.kill_deadline:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(c.proc.pid, signal.SIGKILL)
-        elif not c.done and now >= c.next_start:
+        elif not c.done and now >= max(c.next_start, c.held_until):
             self._launch(run, c, now)
 
     def _launch(self, run: PodRun, c: Container, now: float) -> None:

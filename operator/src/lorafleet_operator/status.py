@@ -26,6 +26,7 @@ PENDING, SYNCING, LOADING, READY, DEGRADED, FAILED = "Pending", "Syncing", "Load
 SOURCE_AVAILABLE = "SourceAvailable"  # s3:// / file:// (or hf:// without a store): workers fetch directly
 NO_SOURCE_NEEDED = "NoSourceNeeded"  # base / adapter models
 SYNC_JOB_RUNNING = "SyncJobRunning"
+SYNC_JOB_RETRYING = "SyncJobRetrying"  # running, after failed pods (retryable errors: the source is unreachable)
 SYNC_SUCCEEDED = "SyncSucceeded"
 SYNC_FAILED = "SyncFailed"
 INVALID_SOURCE = "InvalidSource"

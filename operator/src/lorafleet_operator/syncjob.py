@@ -177,7 +177,10 @@ def job_state(job: Mapping[str, Any]) -> tuple[str, str]:
         if cond.get("type") == "Failed":
             reason = cond.get("reason") or "Failed"
             return "failed", f"sync Job failed ({reason}): {cond.get('message') or 'see the Job pod logs'}"
-    active = (job.get("status") or {}).get("active") or 0
+    status = job.get("status") or {}
+    active, failed = status.get("active") or 0, status.get("failed") or 0
+    if failed:
+        return "running", f"sync Job retrying: {failed} pod(s) failed on a retryable error, {active} active"
     return "running", f"sync Job running ({active} active pod(s))"
 
 
@@ -237,7 +240,9 @@ class SyncJobs:
         self._seen[name] = state
         if state == "failed":
             return await self._failed(model, source, sha, path, job, message)
-        return SyncResult(state, name, resolved if state == "succeeded" else None, sha, message, retry_after=recheck)
+        retrying = state == "running" and bool((job.get("status") or {}).get("failed"))
+        return SyncResult(state, name, resolved if state == "succeeded" else None, sha, message,
+                          reason=st.SYNC_JOB_RETRYING if retrying else "", retry_after=recheck)  # fmt: skip
 
     async def _failed(
         self, model: Model, source: HfURI, sha: str, path: str, job: Mapping[str, Any], message: str

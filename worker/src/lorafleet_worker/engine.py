@@ -23,6 +23,7 @@ from torch import Tensor
 from lorafleet_worker.batch_builder import build_forward_batch
 from lorafleet_worker.config import ModelConfig
 from lorafleet_worker.devices import resolve_dtype, resolve_lora_backend
+from lorafleet_worker.engine_errors import EngineUnavailableError
 from lorafleet_worker.kv_cache import PagedKVCache
 from lorafleet_worker.kv_events import KVEventsConfig, KVEventStream
 from lorafleet_worker.lora.backend import LoRABackend, get_backend
@@ -237,6 +238,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.died: str | None = None  # why the step loop ended by an error (it is not restarted)
         self.progress_at = time.monotonic()  # last step, or last moment with nothing to do (read by /health)
 
     def _plan_memory(
@@ -268,7 +270,7 @@ class Engine:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.died is None and self._thread is not None and self._thread.is_alive()
 
     @property
     def num_pending(self) -> int:
@@ -310,10 +312,11 @@ class Engine:
         (structured/masks.py, one per request).
 
         Raises before yielding: ValueError (bad params / prompt), AdapterNotFoundError (unknown adapter
-        or being removed), RuntimeError (engine not started). Closing the iterator aborts the request.
+        or being removed), EngineUnavailableError (the step loop is not running); the iterator raises
+        EngineUnavailableError if the step loop dies meanwhile. Closing the iterator aborts the request.
         """
         if not self.running:
-            raise RuntimeError("engine is not running")
+            raise EngineUnavailableError(self.died or "the engine is not running")
         params.validate()
         if constraint is not None and params.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with structured output (the grammar decides the end)")
@@ -421,6 +424,29 @@ class Engine:
     # ------------------------------------------------------------------ step loop (engine thread)
 
     def _run(self) -> None:
+        """The step loop's thread: steps until stopped. An error that escapes the loop (a step's
+        BaseException, a scheduler bug outside a step) ends it for good: every request in flight then
+        fails with EngineUnavailableError, as do new ones, and /health fails so the kubelet restarts us."""
+        try:
+            self._step_loop()
+        except BaseException as exc:  # the thread ends either way; its requests must not hang
+            log.critical("the engine loop died", exc_info=True)
+            self._die(f"the engine loop died: {type(exc).__name__}: {exc}")
+            return
+        self._shutdown()
+
+    def _die(self, why: str) -> None:
+        """Refuse new requests from now on (`generate` reads `died`), then fail those in flight on the loop."""
+        self.died = why
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody is listening
+                self._loop.call_soon_threadsafe(self._fail_in_flight, why)
+
+    def _fail_in_flight(self, why: str) -> None:
+        """Event-loop side: every request not ended yet raises EngineUnavailableError."""
+        self._dispatch([(rid, EngineUnavailableError(why)) for rid in list(self._requests)])
+
+    def _step_loop(self) -> None:
         if self.device.type == "cpu":
             # Flush denormals to zero (FTZ/DAZ) in this thread and in the OpenMP workers it starts (they inherit
             # its MXCSR): adapters that push activations to tiny values made the real model's decode steps up to
@@ -465,7 +491,6 @@ class Engine:
             if self._kv_events is not None:
                 self._kv_events.flush()
             self.progress_at = time.monotonic()
-        self._shutdown()
 
     def _step(self, plan: StepPlan) -> None:
         samplers = [c for c in plan.chunks if c.samples]

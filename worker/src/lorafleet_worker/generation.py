@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lorafleet_worker.engine_errors import EngineUnavailableError
 from lorafleet_worker.protocol import APIError
 from lorafleet_worker.service import WorkerService
 from lorafleet_worker.tokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -42,6 +43,11 @@ class Delta:
     text: str
     tokens: list[TokenInfo] = field(default_factory=list)
     finish_reason: str | None = None
+
+
+def _unavailable(e: EngineUnavailableError) -> APIError:
+    """A dead engine is a 503: the router retries the request on another holder (before any byte)."""
+    return APIError(503, f"this worker cannot serve: {e}", code="engine_unavailable")
 
 
 def new_request_id(prefix: str) -> str:
@@ -106,6 +112,8 @@ class Generation:
             raise APIError(
                 404, f"The model `{self.model}` does not exist.", param="model", code="model_not_found"
             ) from e
+        except EngineUnavailableError as e:
+            raise _unavailable(e) from e
         except ValueError as e:
             raise APIError(400, str(e)) from e
         self._metrics.requests_in_flight.inc()
@@ -200,6 +208,8 @@ class Generation:
             out = nxt.result()
         except StopAsyncIteration:
             return None
+        except EngineUnavailableError as e:
+            raise _unavailable(e) from e
         self._observe_latency()
         return out
 

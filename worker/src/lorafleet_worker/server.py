@@ -25,7 +25,8 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _server(app: object, host: str, port: int) -> _Server:
+def http_server(app: object, host: str, port: int) -> uvicorn.Server:
+    """A uvicorn server for `app` that leaves signal handling to its caller (`await server.serve()`)."""
     config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="off")  # type: ignore[arg-type]
     return _Server(config)
 
@@ -34,8 +35,8 @@ async def run_worker(settings: WorkerSettings) -> int:
     """Serve until SIGINT/SIGTERM; the model loads in the background (`/ready` says when). Returns an exit code."""
     service = WorkerService(settings)
     servers = [
-        _server(build_inference_app(service), settings.host, settings.port),
-        _server(build_management_app(service), settings.host, settings.system_port),
+        http_server(build_inference_app(service), settings.host, settings.port),
+        http_server(build_management_app(service), settings.host, settings.system_port),
     ]
     stop = asyncio.Event()
 

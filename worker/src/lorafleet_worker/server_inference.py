@@ -187,6 +187,10 @@ async def _stream(shaper: Shaper) -> AsyncIterator[str]:
         yield _sse("[DONE]")
     except ClientDisconnected:
         log.info("stream %s: client disconnected, request aborted", shaper.id)
+    except APIError as e:  # e.g. the engine died mid-stream (503): the status line is sent, report in-band
+        log.warning("stream %s failed: %s", shaper.id, e.message)
+        yield _sse(openai_error_body(e))
+        yield _sse("[DONE]")
     except Exception as e:  # the status line is already sent; report in-band like vLLM
         log.exception("stream %s failed", shaper.id)
         yield _sse(openai_error_body(APIError(500, f"internal error: {type(e).__name__}")))
