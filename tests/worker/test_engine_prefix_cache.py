@@ -122,7 +122,9 @@ async def test_cache_on_and_off_give_the_same_sampled_answers(make_engine: Engin
     for enabled in (True, False):
         engine = await make_engine(enable_prefix_caching=enabled)
         runs = [await collect(engine, f"{enabled}-{k}", prompts(0), params) for k in range(2)]
-        assert runs[0] == runs[1]
+        # the same tokens; log-probs up to float rounding (a cached prefix changes the matmul shapes, and
+        # some CPUs' kernels round differently per shape)
+        assert_matches(runs[1], runs[0])
         answers.append(runs[0])
         assert (engine.stats.prefix_cache_hits > 0) is enabled
     assert answers[0][0] == answers[1][0]
