@@ -26,6 +26,8 @@ import importlib.util
 import logging
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -159,6 +161,23 @@ def _locate(ext: Extension, env: Mapping[str, str], flags: set[str]) -> Any | No
     return mod
 
 
+def _compile_only(ext: Extension, level: str, build_directory: str) -> None:
+    """Compile `ext` for a `level` this CPU cannot run (an AVX2 build host making the AVX-512 library).
+
+    `load_inline` imports what it builds, and that import may die with SIGILL here, so it runs in a child
+    process: the library counts as built when the child succeeded or died of SIGILL after writing it."""
+    code = (
+        "import sys; from lorafleet_worker import native_ops as n; "
+        "n._jit(next(e for e in n.extensions() if e.name == sys.argv[1]), ['-march=' + sys.argv[2]], sys.argv[3])"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", code, ext.name, level, build_directory], capture_output=True, text=True, check=False
+    )
+    built_ok = child.returncode in (0, -signal.SIGILL) and (Path(build_directory) / f"{ext.name}.so").exists()
+    if not built_ok:
+        raise RuntimeError(f"compiling for {level} failed (exit {child.returncode}): {child.stderr[-2000:]}")
+
+
 def build_prebuilt(ext: Extension, directory: str | os.PathLike[str], level: str) -> Path:
     """Compile `ext` for `level` (one of LEVELS) into `directory` as `<name>-<level>.so`."""
     if level not in LEVELS:
@@ -166,7 +185,10 @@ def build_prebuilt(ext: Extension, directory: str | os.PathLike[str], level: str
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        _jit(ext, [f"-march={level}"], build_directory=tmp)
+        if level in cpu_levels(cpu_flags()):
+            _jit(ext, [f"-march={level}"], build_directory=tmp)
+        else:
+            _compile_only(ext, level, tmp)
         target = out / f"{ext.name}-{level}.so"
         shutil.copy(Path(tmp) / f"{ext.name}.so", target)
     return target
