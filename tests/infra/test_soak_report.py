@@ -11,8 +11,11 @@ from types import ModuleType
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("lorafleet_soak_report", ROOT / "tools" / "soak_report.py")
+def _tool(name: str) -> ModuleType:
+    """Import tools/<name>.py (tools/ is not a package) as `lorafleet_<name>`."""
+    if str(ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tools"))
+    spec = importlib.util.spec_from_file_location(f"lorafleet_{name}", ROOT / "tools" / f"{name}.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -20,7 +23,7 @@ def _tool() -> ModuleType:
     return module
 
 
-REPORT = _tool()
+REPORT = _tool("soak_report")
 
 
 def outcome(ended: float, stream: bool, result: str = "ok") -> dict[str, object]:
@@ -75,20 +78,10 @@ def test_timeline_plot_is_written(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def _soak() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "tools"))
-    spec = importlib.util.spec_from_file_location("lorafleet_soak", ROOT / "tools" / "soak.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_schedule_runs_every_kind_once_per_round_in_a_seeded_order() -> None:
     import random
 
-    soak = _soak()
+    soak = _tool("soak")
     args = soak.parse_args(["--minutes", "6", "--fault-every", "20", "--seed", "5"])
     plan = soak.schedule(args, random.Random(5))
     assert len(plan) == 2 * len(soak.FAULTS)  # 18 slots: two full rounds
@@ -99,7 +92,7 @@ def test_schedule_runs_every_kind_once_per_round_in_a_seeded_order() -> None:
 
 
 def test_a_model_is_ok_when_ready_on_the_endpoints_it_asks_for() -> None:
-    soak = _soak()
+    soak = _tool("soak")
 
     def dm(spec: dict[str, object], ready: int, total: int, generation: int = 1) -> dict[str, object]:
         status = {"phase": "Ready", "observedGeneration": 1, "readyEndpoints": ready, "totalEndpoints": total}
