@@ -19,7 +19,8 @@ pods (the router list is cached, so traffic goes on while the API server is down
 Invariants (the report's ``invariants``; exit status 1 if one fails):
 - ``nonstream_failures``: non-streamed requests that failed as the client saw them, except through a
   router that was killed while they were in flight (a client-side retry is not counted as success);
-- ``streams_broken``: streams that broke, each by the death of its worker or router;
+- ``streams_broken``: streams that broke; each must have been in flight when a worker or router was
+  killed (``soak_report.unexplained_breaks``), and they are counted;
 - ``converged``: within ``--converge-timeout`` s of the last fault every DynamoModel is Ready for its
   generation with its replicas, each worker holds exactly the adapters placed on it, storm objects
   are gone (no stuck finalizer); the report has each object's convergence time after the last fault;
@@ -480,7 +481,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "yet: each Job fails at once and the operator recreates it with backoff) or 503 (the Job's pods retry)",
     )
     parser.add_argument("--sample-every", type=float, default=3.0, help="seconds between convergence samples")
-    parser.add_argument("--converge-timeout", type=float, default=120.0)
+    parser.add_argument(
+        "--converge-timeout",
+        type=float,
+        default=60.0,
+        help="seconds after the last fault to converge (waits 120 s more to measure)",
+    )
     parser.add_argument("--rss-growth", type=int, default=200, help="MiB a component may grow")
     parser.add_argument("--report", type=Path, default=Path("soak-report.json"))
     parser.add_argument("--plot", type=Path, default=None, help="timeline PNG (default: the report's name, .png)")
@@ -534,12 +540,13 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(max(0.0, fault.ended - soak.now()))  # an outage runs alone
         last_fault = max((f.ended for f in soak.faults), default=soak.now())
         try:
-            wait_for(lambda: soak.converged()[0], args.converge_timeout, "convergence after the last fault", 2)
+            wait_for(lambda: soak.converged()[0], args.converge_timeout + 120, "convergence after the last fault", 2)
             converged_after: float | None = round(soak.now() - last_fault, 1)
         except TimeoutError:
             converged_after = None
         reason = soak.converged()[1]
-        diagnostics = soak.diagnostics() if converged_after is None else {}
+        in_time = converged_after is not None and converged_after <= args.converge_timeout
+        diagnostics = {} if in_time else soak.diagnostics()
         time.sleep(max(0.0, deadline - time.monotonic()))
         for follower in soak.followers:  # each Hub-outage object: Ready, then deleted and gone
             follower.join(args.converge_timeout + 300)
@@ -573,6 +580,7 @@ def build_report(
     outcomes = soak.outcomes
     nonstream_failed = [o for o in outcomes if not o.stream and o.result != "ok" and not through_killed_router(o)]
     broken = [o for o in outcomes if o.stream and o.result != "ok"]
+    unexplained = soak_report.unexplained_breaks([asdict(o) for o in broken], [asdict(f) for f in soak.faults])
     rss_end = soak.rss()
     growth = {k: rss_end[k] - v for k, v in rss_start.items() if k in rss_end}
     tracebacks = soak.tracebacks()
@@ -600,10 +608,16 @@ def build_report(
                 "count": len(nonstream_failed),
                 "first": [asdict(o) for o in nonstream_failed[:5]],
             },
-            "streams_broken": {"ok": True, "count": len(broken), "first": [asdict(o) for o in broken[:5]]},
+            "streams_broken": {
+                "ok": not unexplained,
+                "count": len(broken),
+                "without_a_kill": len(unexplained),
+                "first": [asdict(o) for o in broken[:5]],
+            },
             "converged": {
-                "ok": converged_after is not None,
+                "ok": converged_after is not None and converged_after <= args.converge_timeout,
                 "seconds_after_last_fault": converged_after,
+                "bound_s": args.converge_timeout,
                 "state": reason,
             },
             "sync_recovery": {

@@ -47,6 +47,22 @@ def convergence_times(samples: Sequence[Mapping[str, Any]], since: float) -> dic
     return out
 
 
+KILLS = ("worker-kill", "pod-delete", "router-kill")  # the faults that end a pod's streams
+
+
+def unexplained_breaks(
+    outcomes: Sequence[Mapping[str, Any]], faults: Sequence[Mapping[str, Any]], slack: float = 2.0
+) -> list[Mapping[str, Any]]:
+    """Streams that failed while no worker or router was killed: a kill fault (``KILLS``) must fall between
+    the stream's start and its end (plus ``slack`` s: the client learns of a death a little later)."""
+    kills = [f["at"] for f in faults if f["kind"] in KILLS]
+    return [
+        o
+        for o in outcomes
+        if o["stream"] and o["result"] != "ok" and not any(o["started"] <= t <= o["ended"] + slack for t in kills)
+    ]
+
+
 def plot_timeline(report: Mapping[str, Any], png: Path) -> None:
     """Three panels over the soak's time: the faults (spans, labelled), requests ended per second
     (stacked: ok and failed, streamed and not), and each object's convergence (a row per object:

@@ -104,3 +104,14 @@ def test_a_model_is_ok_when_ready_on_the_endpoints_it_asks_for() -> None:
     scaled = {"autoscaling": {"minReplicas": 1, "maxReplicas": 3, "target": 2}}
     assert soak.model_ok(dm(scaled, 1, 1)) and soak.model_ok(dm(scaled, 3, 3))
     assert not soak.model_ok(dm(scaled, 4, 4)) and not soak.model_ok(dm(scaled, 0, 0))
+
+
+def test_a_broken_stream_is_explained_only_by_a_kill_while_it_was_in_flight() -> None:
+    broken = {"started": 10.0, "ended": 12.0, "adapter": "a", "stream": True, "router": "r", "result": "broken"}
+    kill = {"at": 11.0, "ended": 11.1, "kind": "worker-kill", "target": "w"}
+    assert REPORT.unexplained_breaks([broken], [kill]) == []
+    assert REPORT.unexplained_breaks([broken], [{**kill, "at": 13.5}]) == []  # seen by the client within the slack
+    assert REPORT.unexplained_breaks([broken], [{**kill, "at": 20.0}]) == [broken]  # a kill after it ended
+    assert REPORT.unexplained_breaks([broken], [{**kill, "kind": "apiserver-restart"}]) == [broken]  # not a kill
+    plain = {**broken, "stream": False}
+    assert REPORT.unexplained_breaks([plain, {**broken, "result": "ok"}], []) == []  # only failed streams count
