@@ -78,7 +78,8 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
     logging.getLogger(__name__).info("starting with %r", settings)
     metrics.serve(settings.metrics_port, settings.bind_host)
 
-    async def main() -> None:
+    async def main() -> int:
+        """The operator until it stops; its exit status (3: leadership was lost)."""
         kube = KubeClient.from_environment()
         home = os.environ.get("POD_NAMESPACE") or (settings.namespaces or ("default",))[0]  # the operator's own
         events = EventPoster(kube, "lorafleet-operator")
@@ -125,13 +126,18 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
                 elector = LeaderElector(kube, home, LEASE_NAME, identity)
                 async with standby_liveness(settings):
                     await elector.acquire()
-                await run_as_leader(elector, operate)
+                if not await run_as_leader(elector, operate):
+                    return 3
             else:
                 await operate()
+            return 0
         finally:
             await kube.close()
 
-    asyncio.run(main())
+    status = asyncio.run(main())
+    if status:
+        logging.getLogger(__name__).error("exiting with status %d: leadership lost (restarts as a candidate)", status)
+        sys.exit(status)
 
 
 def router_main(argv: Sequence[str] | None = None) -> None:

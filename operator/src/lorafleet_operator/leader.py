@@ -153,8 +153,13 @@ async def standby_liveness(settings: Settings) -> AsyncIterator[None]:
         await runner.cleanup()
 
 
-async def run_as_leader(elector: LeaderElector, run: Callable[[], Awaitable[None]]) -> None:
-    """Run ``run()`` only while leading; raise SystemExit when leadership is lost."""
+async def run_as_leader(elector: LeaderElector, run: Callable[[], Awaitable[None]], stop_s: float = 10.0) -> bool:
+    """Run ``run()`` only while leading. Returns True when ``run()`` ended by itself; False when
+    leadership was lost: ``run()`` was cancelled and awaited (up to ``stop_s``), and the caller must
+    exit so that the process restarts as a candidate (controller-runtime exits the same way).
+
+    The exit happens outside the event loop, after ``run()`` has stopped: raising ``SystemExit``
+    here left kopf's tasks mid-cancellation, and asyncio logged their tracebacks."""
     await elector.acquire()
     work = asyncio.ensure_future(run())
     keep = asyncio.ensure_future(elector.keep())
@@ -162,8 +167,12 @@ async def run_as_leader(elector: LeaderElector, run: Callable[[], Awaitable[None
         done, _ = await asyncio.wait({work, keep}, return_when=asyncio.FIRST_COMPLETED)
         if keep in done:
             work.cancel()
-            raise SystemExit(3)
+            await asyncio.wait({work}, timeout=stop_s)
+            if work.done() and not work.cancelled() and work.exception() is not None:
+                log.warning("the operator stopped with an error after losing leadership: %r", work.exception())
+            return False
         await work
+        return True
     finally:
         keep.cancel()
         if not work.done():
