@@ -383,9 +383,11 @@ class Soak:
                     out[pod["metadata"]["name"]] = _rss_mib(pid)
         return out
 
-    def tracebacks(self) -> dict[str, dict[str, int]]:
-        """Per pod: each distinct traceback (the log line before it, then its exception line) and its count."""
+    def tracebacks(self) -> tuple[dict[str, dict[str, int]], dict[str, str]]:
+        """Per pod: each distinct traceback (the log line before it, then its exception line) and its count;
+        and the whole text of each one's first occurrence, with the lines before it (to read in the report)."""
         out: dict[str, dict[str, int]] = {}
+        texts: dict[str, str] = {}
         for component in ("operator", "router", "worker"):
             for pod in self.release.pods(component):
                 lines = self.release.cluster.logs(self.ns, pod["metadata"]["name"]).splitlines()
@@ -394,10 +396,12 @@ class Soak:
                     if line.startswith("Traceback (most recent call last)"):
                         end = next((j for j in range(i + 1, len(lines)) if not lines[j].startswith((" ", "\t"))), i)
                         before = lines[i - 1][-160:] if i else ""
-                        found[f"{before} | {lines[end][:200] if end < len(lines) else ''}"] += 1
+                        key = f"{before} | {lines[end][:200] if end < len(lines) else ''}"
+                        found[key] += 1
+                        texts.setdefault(key, "\n".join(lines[max(0, i - 5) : end + 1][-80:]))
                 if found:
                     out[pod["metadata"]["name"]] = dict(found)
-        return out
+        return out, texts
 
 
 def model_ok(dm: dict[str, Any]) -> bool:
@@ -553,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
         soak.stop.set()
         for t in threads:
             t.join(150)
+        with contextlib.suppress(Exception):  # a last sample, so that each object's convergence time is known
+            soak.samples.append({"t": soak.now(), "ok": soak.object_states()})
         report = build_report(soak, args, rss_start, converged_after, reason, last_fault)
         report["diagnostics"] = diagnostics
         args.report.write_text(json.dumps(report, indent=1) + "\n")
@@ -583,7 +589,7 @@ def build_report(
     unexplained = soak_report.unexplained_breaks([asdict(o) for o in broken], [asdict(f) for f in soak.faults])
     rss_end = soak.rss()
     growth = {k: rss_end[k] - v for k, v in rss_start.items() if k in rss_end}
-    tracebacks = soak.tracebacks()
+    tracebacks, traceback_texts = soak.tracebacks()
     timeline = [asdict(o) for o in outcomes]
     seconds = soak_report.seconds_of({"timeline": timeline, "faults": [asdict(f) for f in soak.faults]})
     syncs = [{**asdict(c), "showed_failure": c.showed_failure} for c in soak.syncs]
@@ -624,7 +630,7 @@ def build_report(
                 "ok": all(c.showed_failure and c.ready_at is not None and c.gone_at is not None for c in soak.syncs),
                 "objects": len(soak.syncs),
             },
-            "tracebacks": {"ok": not tracebacks, "by_pod": tracebacks},
+            "tracebacks": {"ok": not tracebacks, "by_pod": tracebacks, "texts": traceback_texts},
             "rss": {
                 "ok": all(g < args.rss_growth for g in growth.values()),
                 "growth_mib": growth,

@@ -14,6 +14,7 @@ import pytest
 from lorafleet_devcluster import images, podspec
 from lorafleet_devcluster.cluster import wait_until
 from lorafleet_devcluster.kube import JSON
+from lorafleet_devcluster.nodeagent import RENEW_EVERY
 from lorafleet_devcluster.session import TestCluster
 
 # A tiny HTTP server run as the container of test Deployments (mounted from a ConfigMap at /app).
@@ -229,6 +230,18 @@ def test_node_is_ready_untainted_with_a_renewed_lease(cluster: TestCluster) -> N
     first = cluster.get(lease_path)["spec"]
     assert first["holderIdentity"] == name
     wait_until(lambda: cluster.get(lease_path)["spec"]["renewTime"] != first["renewTime"], 30, "a lease renewal")
+
+
+def test_the_heartbeat_outlives_an_api_server_outage(cluster: TestCluster) -> None:
+    """The node lease is renewed again after kube-apiserver was down for longer than a renewal period
+    (the soak found the heartbeat thread dead of a refused connection: 40 s later the node went NotReady
+    and every pod on it unready, as if the node had been lost)."""
+    assert cluster.agent is not None and cluster.local is not None
+    lease_path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{cluster.agent.node_name}"
+    cluster.local.restart("kube-apiserver", down=RENEW_EVERY + 2)  # at least one renewal meets the outage
+    back = cluster.get(lease_path)["spec"]["renewTime"]
+    assert cluster.agent.alive
+    wait_until(lambda: cluster.get(lease_path)["spec"]["renewTime"] != back, 2 * RENEW_EVERY + 5, "a renewal after")
 
 
 def test_deployment_scales_and_readiness_follows_the_probe(cluster: TestCluster) -> None:

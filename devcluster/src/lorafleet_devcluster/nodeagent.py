@@ -304,6 +304,11 @@ class NodeAgent:
         self._synced.wait(30)
         return self
 
+    @property
+    def alive(self) -> bool:
+        """Every agent thread (heartbeat, pod watch, sync loop) is still running."""
+        return bool(self._threads) and all(t.is_alive() for t in self._threads)
+
     def stop(self, grace: float = 5.0) -> None:
         """Stop every pod process (SIGTERM, SIGKILL after `grace`), then the threads."""
         self._stop_grace = grace
@@ -477,7 +482,7 @@ class NodeAgent:
                     )
                     last_status = time.monotonic()
                 self._clear_not_ready_taint(self._beat_kube)
-            except (KubeError, OSError) as exc:
+            except Exception as exc:  # the API server down (a refused connection), a 5xx...: beat again later
                 print(f"nodeagent: heartbeat failed: {exc}", file=sys.stderr)
 
     # -- pod watch ----------------------------------------------------------------------------------------
