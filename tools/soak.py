@@ -21,7 +21,8 @@ Invariants (the report's ``invariants``; exit status 1 if one fails):
   router that was killed while they were in flight (a client-side retry is not counted as success);
 - ``streams_broken``: streams that broke; each must have been in flight when a worker or router was
   killed (``soak_report.unexplained_breaks``), and they are counted;
-- ``converged``: within ``--converge-timeout`` s of the last fault every DynamoModel is Ready for its
+- ``converged``: within ``--converge-timeout`` s of the last fault (and then for ``--settle`` s: no
+  flapping) every DynamoModel is Ready for its
   generation with its replicas, each worker holds exactly the adapters placed on it, storm objects
   are gone (no stuck finalizer); the report has each object's convergence time after the last fault;
 - ``sync_recovery``: each Hub-outage object showed the failure in its status, became Ready after the
@@ -491,6 +492,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=60.0,
         help="seconds after the last fault to converge (waits 120 s more to measure)",
     )
+    parser.add_argument(
+        "--settle", type=float, default=45.0, help="seconds after convergence in which every sample must stay converged"
+    )
     parser.add_argument("--rss-growth", type=int, default=200, help="MiB a component may grow")
     parser.add_argument("--report", type=Path, default=Path("soak-report.json"))
     parser.add_argument("--plot", type=Path, default=None, help="timeline PNG (default: the report's name, .png)")
@@ -551,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
         reason = soak.converged()[1]
         in_time = converged_after is not None and converged_after <= args.converge_timeout
         diagnostics = {} if in_time else soak.diagnostics()
-        time.sleep(max(0.0, deadline - time.monotonic()))
+        settle_until = time.monotonic() + args.settle  # converged must stay converged (no flapping)
+        time.sleep(max(0.0, max(deadline, settle_until) - time.monotonic()))
         for follower in soak.followers:  # each Hub-outage object: Ready, then deleted and gone
             follower.join(args.converge_timeout + 300)
         soak.stop.set()
@@ -584,6 +589,8 @@ def build_report(
         return any(o.router.startswith(url) and o.started - 30 <= t <= o.ended + 1 for url, t in soak.killed_routers)
 
     outcomes = soak.outcomes
+    since = None if converged_after is None else last_fault + converged_after
+    flaps = [] if since is None else soak_report.flaps(soak.samples, since)
     nonstream_failed = [o for o in outcomes if not o.stream and o.result != "ok" and not through_killed_router(o)]
     broken = [o for o in outcomes if o.stream and o.result != "ok"]
     unexplained = soak_report.unexplained_breaks([asdict(o) for o in broken], [asdict(f) for f in soak.faults])
@@ -621,8 +628,9 @@ def build_report(
                 "first": [asdict(o) for o in broken[:5]],
             },
             "converged": {
-                "ok": converged_after is not None and converged_after <= args.converge_timeout,
+                "ok": converged_after is not None and converged_after <= args.converge_timeout and not flaps,
                 "seconds_after_last_fault": converged_after,
+                "flaps_after_convergence": flaps[:10],
                 "bound_s": args.converge_timeout,
                 "state": reason,
             },

@@ -63,6 +63,18 @@ def unexplained_breaks(
     ]
 
 
+def flaps(samples: Sequence[Mapping[str, Any]], since: float) -> list[dict[str, Any]]:
+    """Samples taken from ``since`` (when everything had converged) in which some object was not:
+    ``{"t", "not_converged": [names]}`` each. Unreadable samples (``ok`` None) are no evidence."""
+    out = []
+    for s in samples:
+        if s["t"] >= since and s.get("ok") is not None:
+            bad = sorted(name for name, ok in s["ok"].items() if not ok)
+            if bad:
+                out.append({"t": s["t"], "not_converged": bad})
+    return out
+
+
 def plot_timeline(report: Mapping[str, Any], png: Path) -> None:
     """Three panels over the soak's time: the faults (spans, labelled), requests ended per second
     (stacked: ok and failed, streamed and not), and each object's convergence (a row per object:

@@ -115,3 +115,14 @@ def test_a_broken_stream_is_explained_only_by_a_kill_while_it_was_in_flight() ->
     assert REPORT.unexplained_breaks([broken], [{**kill, "kind": "apiserver-restart"}]) == [broken]  # not a kill
     plain = {**broken, "stream": False}
     assert REPORT.unexplained_breaks([plain, {**broken, "result": "ok"}], []) == []  # only failed streams count
+
+
+def test_a_flap_is_an_object_unconverged_after_everything_had_converged() -> None:
+    samples = [
+        {"t": 5.0, "ok": {"a": False, "b": True}},  # before convergence: not a flap
+        {"t": 10.0, "ok": {"a": True, "b": True}},
+        {"t": 13.0, "ok": None},
+        {"t": 16.0, "ok": {"a": True, "b": False}},
+    ]
+    assert REPORT.flaps(samples, since=10.0) == [{"t": 16.0, "not_converged": ["b"]}]
+    assert REPORT.flaps(samples[:3], since=10.0) == []
