@@ -313,29 +313,35 @@ class Soak:
         while not self.stop.is_set():
             t = self.now()
             try:
-                ok: dict[str, bool] | None = self.object_states()
+                ok: dict[str, bool | None] | None = self.object_states()
             except Exception:
                 ok = None
             with self.lock:
                 self.samples.append({"t": t, "ok": ok})
             self.stop.wait(self.args.sample_every)
 
-    def object_states(self) -> dict[str, bool]:
-        """Per DynamoModel: Ready for its generation with its replicas, and held by exactly its placement."""
+    def object_states(self) -> dict[str, bool | None]:
+        """Per DynamoModel: Ready for its generation with its replicas, and held by exactly its placement;
+        None (no evidence) when it is Ready but a pod of its placement did not answer its listing in time."""
         items = self.models()
         held = {p["metadata"]["name"]: self._held(p) for p in self.release.pods("worker")}
-        out = {}
+        out: dict[str, bool | None] = {}
         for dm in items:
             status, model = dm.get("status") or {}, dm["spec"]["modelName"]
             placement = set(status.get("placement") or [])
-            holders = {pod for pod, loras in held.items() if model in loras}
-            out[dm["metadata"]["name"]] = model_ok(dm) and holders == placement
+            holders = {pod for pod, loras in held.items() if loras is not None and model in loras}
+            unknown = any(held.get(pod, set()) is None for pod in placement)
+            ok = model_ok(dm) and holders == placement
+            out[dm["metadata"]["name"]] = None if model_ok(dm) and not ok and unknown else ok
         return out
 
-    def _held(self, pod: dict[str, Any]) -> set[str]:
-        """What a worker pod holds; nothing while it cannot answer (killed, restarting)."""
+    def _held(self, pod: dict[str, Any]) -> set[str] | None:
+        """What a worker pod holds: nothing while it cannot be reached (killed, restarting); None when it
+        was reached but did not answer in time (busy, e.g. loading a storm's adapters)."""
         try:
             return self.release.worker_loras(pod)
+        except httpx.TimeoutException:
+            return None
         except httpx.HTTPError:
             return set()
 

@@ -30,7 +30,8 @@ def convergence_times(samples: Sequence[Mapping[str, Any]], since: float) -> dic
     """For each object in the last sample: seconds after `since` from which every later sample saw it
     converged (0.0 if it already was at `since`), or None if the last sample did not.
 
-    A sample is ``{"t": seconds, "ok": {name: bool}}``, ``ok`` None when the cluster could not be read."""
+    A sample is ``{"t": seconds, "ok": {name: bool | None}}``: ``ok`` None when the cluster could not be
+    read, an object's None when it could not be judged (no evidence either way)."""
     readable = [s for s in samples if s.get("ok") is not None]
     if not readable:
         return {}
@@ -38,10 +39,10 @@ def convergence_times(samples: Sequence[Mapping[str, Any]], since: float) -> dic
     for name in readable[-1]["ok"]:
         since_ok: float | None = None
         for s in readable:
-            ok = s["ok"].get(name)
+            ok = s["ok"].get(name, False)
             if ok and since_ok is None:
                 since_ok = s["t"]
-            elif not ok:
+            elif ok is False:  # None: no evidence either way
                 since_ok = None
         out[name] = None if since_ok is None else round(max(0.0, since_ok - since), 1)
     return out
@@ -69,7 +70,7 @@ def flaps(samples: Sequence[Mapping[str, Any]], since: float) -> list[dict[str, 
     out = []
     for s in samples:
         if s["t"] >= since and s.get("ok") is not None:
-            bad = sorted(name for name, ok in s["ok"].items() if not ok)
+            bad = sorted(name for name, ok in s["ok"].items() if ok is False)
             if bad:
                 out.append({"t": s["t"], "not_converged": bad})
     return out
@@ -129,7 +130,7 @@ def plot_timeline(report: Mapping[str, Any], png: Path) -> None:
 
 def _cell(sample: Mapping[str, Any], name: str) -> float:
     ok = sample.get("ok")
-    if ok is None or name not in ok:
+    if ok is None or ok.get(name) is None:
         return 1.0
     return 2.0 if ok[name] else 0.0
 

@@ -48,6 +48,7 @@ def test_convergence_time_is_from_when_an_object_stayed_converged() -> None:
         {"t": 10.0, "ok": {"a": False, "b": True, "c": False}},
         {"t": 12.0, "ok": None},  # the API server was down: no evidence either way
         {"t": 14.0, "ok": {"a": True, "b": False, "c": False}},
+        {"t": 15.0, "ok": {"a": None, "b": False, "c": False}},  # a could not be judged: no evidence
         {"t": 16.0, "ok": {"a": True, "b": True, "c": False}},
         {"t": 18.0, "ok": {"a": True, "b": True, "d": True}},  # c deleted, d created
     ]
@@ -123,6 +124,7 @@ def test_a_flap_is_an_object_unconverged_after_everything_had_converged() -> Non
         {"t": 10.0, "ok": {"a": True, "b": True}},
         {"t": 13.0, "ok": None},
         {"t": 16.0, "ok": {"a": True, "b": False}},
+        {"t": 19.0, "ok": {"a": None, "b": True}},  # unjudged is not a flap
     ]
     assert REPORT.flaps(samples, since=10.0) == [{"t": 16.0, "not_converged": ["b"]}]
     assert REPORT.flaps(samples[:3], since=10.0) == []
