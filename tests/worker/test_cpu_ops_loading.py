@@ -108,6 +108,14 @@ def test_selection_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ext: n
     assert native_ops.switched_off(ext, {ext.switch: "torch"}) and not native_ops.switched_off(ext, {})
 
 
+def test_each_python_environment_jit_builds_into_its_own_directory() -> None:
+    """Two checkouts' venvs never share a JIT build directory (they rebuilt each other's libraries at every
+    worker start); `$TORCH_EXTENSIONS_DIR` where set is torch's to use."""
+    one, same, other = (native_ops.jit_directory("ops", env={}, prefix=p) for p in ("/a/.venv", "/a/.venv", "/b/.venv"))
+    assert one == same and one != other and one is not None and one.endswith("/ops")
+    assert native_ops.jit_directory("ops", env={"TORCH_EXTENSIONS_DIR": "/x"}) is None
+
+
 def test_each_switch_turns_off_only_its_extension(monkeypatch: pytest.MonkeyPatch) -> None:
     Calls(monkeypatch)
     env = {"LORAFLEET_CPU_LORA": "torch"}

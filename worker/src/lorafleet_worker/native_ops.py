@@ -10,7 +10,8 @@ as its `EXTENSION`; `EXTENSION_MODULES` lists those modules. Where a library com
    for both levels in its build stage: `python -m lorafleet_worker.native_ops build DIR LEVEL`. One that
    fails to import (built against another torch, unreadable) is skipped, and the reason logged.
 3. Compiled at first use with `torch.utils.cpp_extension.load_inline` (g++ and ninja, -march=native, about
-   30 s once; cached under `$TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`).
+   30 s once; cached under `$TORCH_EXTENSIONS_DIR` where set, otherwise in a directory of this Python
+   environment's own under `~/.cache/torch_extensions`: `jit_directory`).
 4. Neither: None; the reason is logged and the caller keeps its torch path.
 
 torch.utils.cpp_extension is imported only to compile, and the extension modules only when the command
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import importlib
 import importlib.util
 import logging
@@ -105,9 +107,25 @@ def _import_prebuilt(ext: Extension, path: Path) -> Any:
     return mod
 
 
+def jit_directory(name: str, env: Mapping[str, str] | None = None, prefix: str | None = None) -> str | None:
+    """Where a JIT build of `name` goes: torch's own choice (None) where `$TORCH_EXTENSIONS_DIR` is set;
+    otherwise a directory of this Python environment's own (`prefix`, by default `sys.prefix`) under torch's
+    cache root. Two checkouts (two venvs) that shared torch's default directory rebuilt each other's
+    library at every start: each build command names its venv's torch headers, so ninja saw a new command."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if (os.environ if env is None else env).get("TORCH_EXTENSIONS_DIR"):
+        return None
+    tag = hashlib.sha256((sys.prefix if prefix is None else prefix).encode()).hexdigest()[:10]
+    return str(Path(get_default_build_root()) / f"lorafleet-{tag}" / name)
+
+
 def _jit(ext: Extension, cflags: list[str], build_directory: str | None = None) -> Any:
     from torch.utils.cpp_extension import load_inline
 
+    build_directory = build_directory or jit_directory(ext.name)
+    if build_directory is not None:
+        Path(build_directory).mkdir(parents=True, exist_ok=True)
     return load_inline(
         name=ext.name,
         cpp_sources=[ext.source],
