@@ -51,6 +51,7 @@ from typing import Any
 import httpx
 import yaml
 from lorafleet_devcluster.hfhub import LocalHub
+from lorafleet_devcluster.rawstack import pod_ready
 from lorafleet_devcluster.session import TestCluster, shared_cluster
 from lorafleet_devcluster.stack import BASE_MODEL, Release, deep_merge, default_values, wait_for
 from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
@@ -109,6 +110,7 @@ class Soak:
     sources: dict[str, str]  # adapter version -> s3 URI
     args: argparse.Namespace
     hub: LocalHub
+    hub_adapter: Path  # what each Hub outage commits to its own repo
     t0: float = field(default_factory=time.monotonic)
     outcomes: list[Outcome] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
@@ -265,17 +267,21 @@ class Soak:
         return f"down {self.args.apiserver_down:.0f}s, ready again after {time.monotonic() - t:.0f}s"
 
     def _hub_outage(self) -> tuple[str, float]:
-        """A new hf:// DynamoModel while the Hub's downloads fail; a thread follows it to Ready, then deletes it."""
+        """A new hf:// DynamoModel while the Hub's downloads fail; a thread follows it to Ready, then deletes it.
+        Each outage syncs a repo of its own, committed just before: a revision already in the store would
+        sync without downloading anything (the sync Job skips it), and the outage would test nothing."""
         name = f"flaky-{len(self.syncs):02d}"
+        repo = f"{HUB_REPO}-{len(self.syncs):02d}"
+        self.hub.commit(repo, self.hub_adapter)
         self.hub.failing_downloads = self.args.hub_error
         recovered = self.now() + self.args.hub_down
         check = SyncCheck(name, self.now(), recovered)
         self.syncs.append(check)
-        self.release.kubectl("apply", "-f", "-", input=manifest_doc(name, f"soak/{name}", f"hf://{HUB_REPO}@main", 1))
+        self.release.kubectl("apply", "-f", "-", input=manifest_doc(name, f"soak/{name}", f"hf://{repo}@main", 1))
         self.followers.append(threading.Thread(target=self._follow_sync, args=(check,), daemon=True))
         self.followers[-1].start()
         outage = f"Hub downloads answer {self.args.hub_error} for {self.args.hub_down:.0f}s"
-        return f"{name} from hf://{HUB_REPO}, {outage}", recovered
+        return f"{name} from hf://{repo}, {outage}", recovered
 
     def _follow_sync(self, check: SyncCheck) -> None:
         """End the Hub outage on time; record the object's states until it is Ready; then delete it and
@@ -347,6 +353,12 @@ class Soak:
 
     # ---- invariants -----------------------------------------------------------------------
     def converged(self) -> tuple[bool, str]:
+        """Every worker pod back and Ready (a killed one's return moves adapters back: part of recovering),
+        every DynamoModel ``model_ok``, every worker holding exactly what placement says, no storm object."""
+        workers = self.release.pods("worker")
+        ready = [p for p in workers if pod_ready(p)]  # `pods` leaves out terminating pods
+        if len(ready) != self.args.workers or len(workers) != self.args.workers:
+            return False, f"{len(ready)}/{self.args.workers} worker pods Ready ({len(workers)} pods)"
         items = self.models()
         if any(i["metadata"]["name"].startswith("storm-") for i in items):
             return False, "storm objects remain"
@@ -376,6 +388,10 @@ class Soak:
             ready = any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or [])
             restarts = sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or [])
             pods[pod["metadata"]["name"]] = {"ready": ready, "restarts": restarts, "ip": pod["status"].get("podIP")}
+            if not ready:  # why it is not back: the tail of its log
+                pods[pod["metadata"]["name"]]["log_tail"] = self.release.cluster.logs(
+                    self.ns, pod["metadata"]["name"]
+                ).splitlines()[-30:]
         lease = self.release.cluster.get(f"/apis/coordination.k8s.io/v1/namespaces/{self.ns}/leases/lorafleet-operator")
         leader = str(lease["spec"].get("holderIdentity") or "")
         log = self.release.cluster.logs(self.ns, leader).splitlines()[-60:] if leader else []
@@ -453,7 +469,7 @@ def replicas_of(i: int, args: argparse.Namespace) -> int | dict[str, int]:
 
 def install(cluster: TestCluster, workdir: Path, workers: int, hub: LocalHub) -> tuple[Release, dict[str, str]]:
     """The chart (2 operators, 2 routers, `workers` workers, the Hub as its HF endpoint); two adapter
-    versions in the store (hot swaps alternate between them), the first also on the Hub."""
+    versions in the store (hot swaps alternate between them); each Hub outage commits the first to the Hub."""
     release = Release(cluster, cluster.new_namespace("soak"), log=lambda m: print(m, flush=True))
     values = deep_merge(
         default_values(cluster, workers=workers, hf_endpoint=hub.url),
@@ -466,8 +482,6 @@ def install(cluster: TestCluster, workdir: Path, workers: int, hub: LocalHub) ->
         adapter = make_tiny_adapter(workdir / f"a{i}", base, rank=4, seed=100 + i, strength=2.0)
         sources[f"v{i}"] = f"s3://soak/v{i}"
         release.upload(adapter, sources[f"v{i}"])
-        if i == 0:
-            hub.commit(HUB_REPO, adapter)
     return release, sources
 
 
@@ -536,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
             manifest_doc(n, m, sources[f"v{i % 2}"], replicas_of(i, args)) for i, (m, n) in enumerate(adapters.items())
         ]
         release.kubectl("apply", "-f", "-", input="---\n".join(docs))
-        soak = Soak(release, rng, adapters, sources, args, hub)
+        soak = Soak(release, rng, adapters, sources, args, hub, Path(tmp) / "a0")
         wait_for(lambda: soak.converged()[0], 600, "every adapter Ready before the soak", interval=2)
         soak.t0 = time.monotonic()
         rss_start = soak.rss()
@@ -599,7 +613,8 @@ def build_report(
     flaps = [] if since is None else soak_report.flaps(soak.samples, since)
     nonstream_failed = [o for o in outcomes if not o.stream and o.result != "ok" and not through_killed_router(o)]
     broken = [o for o in outcomes if o.stream and o.result != "ok"]
-    unexplained = soak_report.unexplained_breaks([asdict(o) for o in broken], [asdict(f) for f in soak.faults])
+    by_kill = soak_report.unexplained_breaks([asdict(o) for o in broken], [asdict(f) for f in soak.faults])
+    unexplained = [o for o in broken if asdict(o) in by_kill and not through_killed_router(o)]
     rss_end = soak.rss()
     growth = {k: rss_end[k] - v for k, v in rss_start.items() if k in rss_end}
     tracebacks, traceback_texts = soak.tracebacks()
