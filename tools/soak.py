@@ -290,11 +290,11 @@ class Soak:
         deadline = check.hub_recovered + self.args.converge_timeout + 180
         while check.ready_at is None and self.now() < deadline and not self.stop.is_set():
             if self.now() >= check.hub_recovered:
-                self.hub.failing_downloads = None
+                self._end_hub_outage(check)
             with contextlib.suppress(Exception):  # the API server may be down
                 self._record_sync_state(check, self.release.cluster.get(path))
             time.sleep(1)
-        self.hub.failing_downloads = None
+        self._end_hub_outage(check)
         if check.ready_at is None:
             return
         self.release.kubectl("delete", "dm", check.name, "--wait=false", check=False)
@@ -303,6 +303,11 @@ class Soak:
                 check.gone_at = self.now()
                 return
             time.sleep(1)
+
+    def _end_hub_outage(self, check: SyncCheck) -> None:
+        """The Hub answers again, unless a later outage (another object's) is on now: that one is its own."""
+        if self.syncs[-1] is check:
+            self.hub.failing_downloads = None
 
     def _record_sync_state(self, check: SyncCheck, dm: dict[str, Any]) -> None:
         status = dm.get("status") or {}
