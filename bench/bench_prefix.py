@@ -226,7 +226,7 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--kv-blocks", type=int, default=3072)
-    p.add_argument("--noreuse-rounds", type=int, default=15, help="interleaved cache on / off pairs of the no-reuse run")
+    p.add_argument("--noreuse-rounds", type=int, default=15, help="interleaved cache on/off pairs (no reuse)")
     asyncio.run(main_async(p.parse_args()))
 
 
