@@ -342,8 +342,8 @@ class Soak:
             placement = set(status.get("placement") or [])
             holders = {pod for pod, loras in held.items() if loras is not None and model in loras}
             unknown = any(held.get(pod, set()) is None for pod in placement)
-            ok = model_ok(dm) and holders == placement
-            out[dm["metadata"]["name"]] = None if model_ok(dm) and not ok and unknown else ok
+            ready = model_ok(dm)
+            out[dm["metadata"]["name"]] = ready and (holders == placement or (None if unknown else False))
         return out
 
     def _held(self, pod: dict[str, Any]) -> set[str] | None:
@@ -618,8 +618,9 @@ def build_report(
     flaps = [] if since is None else soak_report.flaps(soak.samples, since)
     nonstream_failed = [o for o in outcomes if not o.stream and o.result != "ok" and not through_killed_router(o)]
     broken = [o for o in outcomes if o.stream and o.result != "ok"]
-    by_kill = soak_report.unexplained_breaks([asdict(o) for o in broken], [asdict(f) for f in soak.faults])
-    unexplained = [o for o in broken if asdict(o) in by_kill and not through_killed_router(o)]
+    unexplained = soak_report.unexplained_breaks(
+        [asdict(o) for o in broken if not through_killed_router(o)], [asdict(f) for f in soak.faults]
+    )
     rss_end = soak.rss()
     growth = {k: rss_end[k] - v for k, v in rss_start.items() if k in rss_end}
     tracebacks, traceback_texts = soak.tracebacks()
