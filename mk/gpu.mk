@@ -14,7 +14,8 @@ test-kernels: setup-python  ## Triton kernel tests (interpreter on CPU; compiled
 gpu-check: setup-python gpu-check-run  ## on a CUDA machine: every GPU test (a skip fails) and bench-gpu; results in $(GPU_CHECK_DIR)/
 
 # A bare GPU machine (CUDA torch, Triton, transformers, peft, pytest preinstalled; no venv, no network):
-# the system python with the sources on PYTHONPATH. pytest-asyncio must be importable (carry its wheel).
+# the system python with the sources on PYTHONPATH. The worker's other packages (fastapi, pydantic, pyzmq,
+# llguidance, blake3, pytest-asyncio, ...) travel as wheels: tools/gpu-wheels.sh puts them in .whl/.
 gpu-check-bare:  ## gpu-check with the system python3 and the sources on PYTHONPATH (no setup, no network)
 	PYTHONPATH=$(CURDIR):$(CURDIR)/worker/src:$(CURDIR)/jobs/src$${PYTHONPATH:+:$$PYTHONPATH} \
 		$(MAKE) gpu-check-run PY=python3

@@ -104,12 +104,13 @@ class _KernelUse:
 
 
 async def test_triton_engine_matches_torch_on_a_mixed_adapter_batch(
-    model_and_adapters: tuple[Path, dict[str, Path]], monkeypatch: pytest.MonkeyPatch
+    model_and_adapters: tuple[Path, dict[str, Path]], monkeypatch: pytest.MonkeyPatch, device: torch.device
 ) -> None:
+    """fp32: interpreted on CPU, compiled on a GPU machine."""
     model, adapters = model_and_adapters
-    torch_out, _ = await _run(model, adapters, "torch")
+    torch_out, _ = await _run(model, adapters, "torch", device=device.type)
     use = _KernelUse(monkeypatch)
-    triton_out, max_adapters = await _run(model, adapters, "triton")
+    triton_out, max_adapters = await _run(model, adapters, "triton", device=device.type)
     assert max_adapters >= 2, "the requests never shared a step"
     use.check()
     _assert_parity(triton_out, torch_out, adapters, LOGPROB_TOL["float32"])
