@@ -486,3 +486,28 @@ def test_deletion_escalates_to_sigkill_and_unknown_images_wait(cluster: TestClus
     ]
     assert "nginx:1.27" in msg
     cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def test_logs_default_to_the_app_container_not_the_init_container(cluster: TestCluster) -> None:
+    """As `kubectl logs` does: the soak's not-Ready diagnostics read a worker's log this way."""
+    ns = cluster.new_namespace("logs")
+    shell = {"image": "busybox:1.36"}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "two", "namespace": ns},
+        "spec": {
+            "initContainers": [{**shell, "name": "a-init", "command": ["sh", "-c", "echo said by init"]}],
+            "containers": [{**shell, "name": "main", "command": ["sh", "-c", "echo said by main; sleep 600"]}],
+        },
+    }
+    _apply(cluster, pod)
+
+    def main_said() -> str | None:
+        text = cluster.logs(ns, "two")
+        return text if "said by main" in text else None
+
+    out = wait_until(main_said, 90, "the main container's output")
+    assert "said by init" not in out
+    assert "said by init" in cluster.logs(ns, "two", "a-init")
+    cluster.kubectl("delete", "namespace", ns, "--wait=false")

@@ -342,10 +342,15 @@ class NodeAgent:
         return [c.proc.pid for r in runs for c in r.containers if c.proc is not None]
 
     def logs(self, namespace: str, name: str, container: str | None = None) -> str:
-        """The captured output of a pod's container (newest pod of that name; first container by default)."""
+        """The captured output of a pod's container (newest pod of that name). By default its first app
+        container, as `kubectl logs` picks (not an init container), where the pod still runs here; else the
+        first log by name."""
         uids = sorted((self.workdir / "pods" / namespace / name).glob("*/logs"), key=lambda p: p.stat().st_mtime)
         if not uids:
             return ""
+        if container is None:
+            run = next((r for r in self.runs.values() if r.key == f"{namespace}/{name}" and not r.gone), None)
+            container = run.apps[0].name if run is not None and run.apps else None
         logs = sorted(uids[-1].glob("*.log"))
         chosen = next((p for p in logs if p.stem == container), None) if container else (logs[0] if logs else None)
         return chosen.read_text(errors="replace") if chosen else ""
