@@ -110,8 +110,12 @@ class Server:
                                 "stream": stream, "ignore_eos": stream}  # fmt: skip
         if self.system == "lorafleet":
             body["model"] = adapter or "base"
-        else:  # llama.cpp picks adapters per request by --lora index; unlisted ones get scale 0
-            body["lora"] = [] if adapter is None else [{"id": self.adapter_ids[adapter], "scale": 1.0}]
+        else:  # llama.cpp picks adapters per request by --lora index; unlisted ones get scale 0. An empty list
+            # means "the server's defaults" (every --lora at scale 1), so the base model lists each at scale 0.
+            scales = {i: 0.0 for i in self.adapter_ids.values()}
+            if adapter is not None:
+                scales[self.adapter_ids[adapter]] = 1.0
+            body["lora"] = [{"id": i, "scale": s} for i, s in scales.items()]
             body["cache_prompt"] = False
         return body
 

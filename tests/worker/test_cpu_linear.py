@@ -1,4 +1,4 @@
-"""oneDNN-prepacked base linears on CPU (`model/cpu_linear.py`) against F.linear, and the model's packing."""
+"""Prepacked base linears on CPU (`model/cpu_linear.py`: panels, oneDNN) against F.linear, and the model's packing."""
 
 from __future__ import annotations
 
@@ -16,9 +16,13 @@ pytestmark = pytest.mark.skipif(not cpu_linear.packs(torch.float32), reason="no 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("rows", [1, 7, 32, 65])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(dtype: torch.dtype, tol: float, rows: int, bias: bool) -> None:
-    if not cpu_linear.packs(dtype):
-        pytest.skip(f"{dtype} is not packed on this CPU")
+@pytest.mark.parametrize("path", ["panel", "onednn"])
+def test_packed_linear_matches_f_linear(
+    dtype: torch.dtype, tol: float, rows: int, bias: bool, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LORAFLEET_CPU_LINEAR", path)
+    if cpu_linear.mode(dtype) != path:
+        pytest.skip(f"{dtype} is not packed for {path} on this CPU")
     torch.manual_seed(0)
     w = torch.randn(48, 40).to(dtype)
     b = torch.randn(48).to(dtype) if bias else None

@@ -1,5 +1,6 @@
-"""Where the worker's C++ extensions come from (`native_ops`): off, prebuilt, JIT, or the torch path, for both
-the CPU ops (`model/cpu_attention.py`) and the grouped LoRA kernel (`lora/cpu_lora.py`)."""
+"""Where the worker's C++ extensions come from (`native_ops`): off, prebuilt, JIT, or the torch path, for each:
+the CPU ops (`model/cpu_attention.py`), the panel GEMM (`model/cpu_gemm.py`) and the grouped LoRA kernel
+(`lora/cpu_lora.py`)."""
 
 from __future__ import annotations
 
@@ -10,19 +11,24 @@ from typing import Any
 import pytest
 from lorafleet_worker import native_ops
 from lorafleet_worker.lora import cpu_lora
-from lorafleet_worker.model import cpu_attention
+from lorafleet_worker.model import cpu_attention, cpu_gemm
 
 V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
 V4 = V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-EXTENSIONS = [pytest.param(cpu_attention.EXTENSION, id="cpu_ops"), pytest.param(cpu_lora.EXTENSION, id="cpu_lora")]
+EXTENSIONS = [
+    pytest.param(cpu_attention.EXTENSION, id="cpu_ops"),
+    pytest.param(cpu_gemm.EXTENSION, id="cpu_gemm"),
+    pytest.param(cpu_lora.EXTENSION, id="cpu_lora"),
+]
+NAMES = [cpu_attention.EXT_NAME, cpu_gemm.EXT_NAME, cpu_lora.EXT_NAME]
 
 
-def test_both_extensions_are_registered() -> None:
+def test_every_extension_is_registered() -> None:
     exts = native_ops.extensions()
-    assert exts == [cpu_attention.EXTENSION, cpu_lora.EXTENSION]
-    assert [e.name for e in exts] == [cpu_attention.EXT_NAME, cpu_lora.EXT_NAME]
-    assert [e.switch for e in exts] == ["LORAFLEET_CPU_ATTENTION", "LORAFLEET_CPU_LORA"]
-    assert len({e.name for e in exts}) == 2  # one prebuilt file each in LORAFLEET_CPU_OPS_DIR
+    assert exts == [cpu_attention.EXTENSION, cpu_gemm.EXTENSION, cpu_lora.EXTENSION]
+    assert [e.name for e in exts] == NAMES
+    assert [e.switch for e in exts] == ["LORAFLEET_CPU_ATTENTION", "LORAFLEET_CPU_LINEAR", "LORAFLEET_CPU_LORA"]
+    assert len({e.name for e in exts}) == 3  # one prebuilt file each in LORAFLEET_CPU_OPS_DIR
 
 
 def test_importing_the_loader_imports_neither_torch_nor_an_extension_module() -> None:
@@ -32,8 +38,8 @@ def test_importing_the_loader_imports_neither_torch_nor_an_extension_module() ->
     script = (
         "import sys\n"
         "import lorafleet_worker.native_ops\n"
-        "bad = [m for m in ('torch', 'lorafleet_worker.model.cpu_attention', 'lorafleet_worker.lora.cpu_lora')"
-        " if m in sys.modules]\n"
+        "bad = [m for m in ('torch', 'lorafleet_worker.model.cpu_attention', 'lorafleet_worker.model.cpu_gemm',"
+        " 'lorafleet_worker.lora.cpu_lora') if m in sys.modules]\n"
         "assert not bad, bad\n"
         "from lorafleet_worker.model import cpu_attention\n"
         "from lorafleet_worker.lora import cpu_lora\n"
@@ -176,9 +182,8 @@ def test_cli_builds_every_extension_for_the_level(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(native_ops, "_jit", jit)
     monkeypatch.setattr(native_ops, "cpu_levels", lambda flags: list(native_ops.LEVELS))  # this CPU runs both
     assert native_ops.main(["build", str(tmp_path / "lib"), "x86-64-v3"]) == 0
-    names = [cpu_attention.EXT_NAME, cpu_lora.EXT_NAME]
-    assert sorted(p.name for p in (tmp_path / "lib").iterdir()) == sorted(f"{n}-x86-64-v3.so" for n in names)
-    assert flags == [(n, ["-march=x86-64-v3"]) for n in names]
+    assert sorted(p.name for p in (tmp_path / "lib").iterdir()) == sorted(f"{n}-x86-64-v3.so" for n in NAMES)
+    assert flags == [(n, ["-march=x86-64-v3"]) for n in NAMES]
 
     def broken(ext: native_ops.Extension, cflags: list[str], build_directory: str | None = None) -> None:
         raise RuntimeError("g++ failed")
@@ -188,12 +193,13 @@ def test_cli_builds_every_extension_for_the_level(tmp_path: Path, monkeypatch: p
 
 
 @pytest.mark.skipif(
-    not (cpu_attention.available() and cpu_lora.available()), reason="no C++ toolchain here to build the libraries"
+    not (cpu_attention.available() and cpu_gemm.available() and cpu_lora.available()),
+    reason="no C++ toolchain here to build the libraries",
 )
 def test_prebuilt_libraries_build_load_and_agree(tmp_path: Path) -> None:
-    """The image's path end to end: build both extensions for the portable level (x86-64-v3) with the CLI, load
+    """The image's path end to end: build every extension for the portable level (x86-64-v3) with the CLI, load
     them as the worker would (in a fresh process, LORAFLEET_CPU_OPS_DIR set, nothing compiled), and compare
-    decode attention with the torch path and the LoRA kernel with a dense reference."""
+    decode attention with the torch path, the panel GEMM and the LoRA kernel with dense references."""
     import os
     import subprocess
     import sys
@@ -205,9 +211,10 @@ def test_prebuilt_libraries_build_load_and_agree(tmp_path: Path) -> None:
         "logging.basicConfig(level=logging.INFO)\n"
         "from lorafleet_worker.model import cpu_attention as c\n"
         "from lorafleet_worker.lora import cpu_lora as l\n"
+        "from lorafleet_worker.model import cpu_gemm as g\n"
         "from lorafleet_worker.model.attention import _torch_decode\n"
         "from tests.worker.test_cpu_attention import decode_batch\n"
-        "assert c.available() and l.available()\n"
+        "assert c.available() and l.available() and g.available()\n"
         "torch.manual_seed(0)\n"
         "kc, vc = torch.randn(6, 4, 2, 16), torch.randn(6, 4, 2, 16)\n"
         "tables = torch.tensor([[1, 2, 3], [4, 5, 0]], dtype=torch.int32)\n"
@@ -223,20 +230,25 @@ def test_prebuilt_libraries_build_load_and_agree(tmp_path: Path) -> None:
         "l.lora_small(x, out, A, B, ranks, scalings, (0, 8), rows, segs)\n"
         "ref = torch.cat([0.5 * x[:2] @ A[0, 0].T @ B[0].T, 2.0 * x[2:] @ A[1, 0, :2].T @ B[1, :, :2].T])\n"
         "assert (out - ref).abs().max().item() < 1e-4, (out, ref)\n"
+        "w, xg = torch.randn(20, 24), torch.randn(3, 24)\n"
+        "assert (g.pack(w).matmul(xg) - xg @ w.T).abs().max().item() < 1e-4\n"
     )
     built = subprocess.run(
         [sys.executable, "-m", "lorafleet_worker.native_ops", "build", str(tmp_path / "lib"), "x86-64-v3"],
         capture_output=True, text=True, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")},
     )  # fmt: skip
     assert built.returncode == 0, built.stderr[-2000:]
-    names = [cpu_attention.EXT_NAME, cpu_lora.EXT_NAME]
-    assert sorted(p.name for p in (tmp_path / "lib").iterdir()) == sorted(f"{n}-x86-64-v3.so" for n in names)
+    assert sorted(p.name for p in (tmp_path / "lib").iterdir()) == sorted(f"{n}-x86-64-v3.so" for n in NAMES)
     env = {**os.environ, "LORAFLEET_CPU_OPS_DIR": str(tmp_path / "lib"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "no")}
-    for switch in ("LORAFLEET_CPU_ATTENTION", "LORAFLEET_CPU_LORA"):
+    for switch in ("LORAFLEET_CPU_ATTENTION", "LORAFLEET_CPU_LINEAR", "LORAFLEET_CPU_LORA"):
         env.pop(switch, None)
     root = Path(__file__).resolve().parents[2]
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root)
     assert run.returncode == 0, run.stderr[-2000:]
-    for name, what in ((cpu_attention.EXT_NAME, "CPU C++ ops"), (cpu_lora.EXT_NAME, "CPU LoRA kernel")):
+    for name, what in (
+        (cpu_attention.EXT_NAME, "CPU C++ ops"),
+        (cpu_gemm.EXT_NAME, "CPU panel GEMM"),
+        (cpu_lora.EXT_NAME, "CPU LoRA kernel"),
+    ):
         assert f"{what}: prebuilt {tmp_path / 'lib' / name}-x86-64-v3.so" in run.stderr, run.stderr[-2000:]
     assert not (tmp_path / "no").exists()  # nothing was compiled at load

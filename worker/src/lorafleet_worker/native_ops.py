@@ -1,5 +1,5 @@
-"""Build and load the worker's C++ extensions (the CPU ops of `model/cpu_attention.py`, the grouped LoRA
-kernel of `lora/cpu_lora.py`).
+"""Build and load the worker's C++ extensions (the CPU ops of `model/cpu_attention.py`, the base linears of
+`model/cpu_gemm.py`, the grouped LoRA kernel of `lora/cpu_lora.py`).
 
 Each extension module describes its library with an `Extension` (name, C++ source, functions, off switch)
 as its `EXTENSION`; `EXTENSION_MODULES` lists those modules. Where a library comes from, first match wins:
@@ -40,7 +40,11 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 # The modules that declare an extension (their `EXTENSION`), imported only by `extensions()`.
-EXTENSION_MODULES = ("lorafleet_worker.model.cpu_attention", "lorafleet_worker.lora.cpu_lora")
+EXTENSION_MODULES = (
+    "lorafleet_worker.model.cpu_attention",
+    "lorafleet_worker.model.cpu_gemm",
+    "lorafleet_worker.lora.cpu_lora",
+)
 LEVELS = ("x86-64-v4", "x86-64-v3")  # prebuilt variants, best first (v4: AVX-512; v3: AVX2 + FMA)
 _LEVEL_FLAGS = {
     "x86-64-v3": {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"},

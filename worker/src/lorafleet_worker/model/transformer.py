@@ -19,9 +19,9 @@ from torch import Tensor, nn
 from lorafleet_worker.config import ModelConfig
 from lorafleet_worker.model import cpu_attention, cpu_linear, quantization
 from lorafleet_worker.model.attention import paged_attention
+from lorafleet_worker.model.cpu_linear import Packed
 from lorafleet_worker.model.forward_batch import ForwardBatch, LoRAContext
 from lorafleet_worker.model.loading import Checkpoint, parse_dtype
-from lorafleet_worker.model.quantization import QuantizedWeight
 from lorafleet_worker.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 base_linear = cpu_linear.linear  # every base-model GEMM goes through here (the benchmarks' hooks wrap it)
@@ -77,8 +77,8 @@ class DecoderLayer(nn.Module):
         self.down_w, self.down_b = _linear_params(config.hidden_size, config.intermediate_size, bias.mlp)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        # group -> the weight as the base GEMM reads it: oneDNN-packed (CPU, `Transformer.pack_weights`) or quantized
-        self.packed: dict[str, Tensor | QuantizedWeight] = {}
+        # group -> the weight as the base GEMM reads it: packed (CPU, `Transformer.pack_weights`) or quantized
+        self.packed: dict[str, Packed] = {}
 
     def _proj(self, x: Tensor, w: Tensor, b: Tensor | None, group: str, lora: LoRAContext | None) -> Tensor:
         out = base_linear(x, w, b, self.packed.get(group))
@@ -150,7 +150,7 @@ class Transformer(nn.Module):
         self.lm_head: nn.Parameter | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
-        self.packed_head: Tensor | QuantizedWeight | None = None  # lm_head packed for oneDNN or quantized
+        self.packed_head: Packed | None = None  # lm_head packed (panels, oneDNN) or quantized
         self.inv_freq: Tensor
         inv_freq, self.rope_scale = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -232,9 +232,9 @@ class Transformer(nn.Module):
         packed = [p for layer in self._decoder_layers() for p in layer.packed.values()]
         if self.packed_head is not None:
             packed.append(self.packed_head)
-        return dense + sum(p.nbytes if isinstance(p, QuantizedWeight) else p.numel() * p.element_size() for p in packed)
+        return dense + sum(p.numel() * p.element_size() if isinstance(p, Tensor) else p.nbytes for p in packed)
 
-    def packed_weights(self) -> dict[str, Tensor | QuantizedWeight]:
+    def packed_weights(self) -> dict[str, Packed]:
         """Parameter name -> its packed or quantized weight, for every weight `pack_weights` or
         `quantize_weights` released."""
         layers = self._decoder_layers()

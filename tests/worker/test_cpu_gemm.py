@@ -1,0 +1,68 @@
+"""The panel GEMM of the CPU base linears (`model/cpu_gemm.py`) against F.linear, and where `cpu_linear` uses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lorafleet_worker import native_ops
+from lorafleet_worker.model import cpu_gemm, cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="the panel kernel could not be built here")
+
+
+@pytest.mark.parametrize("weight", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 32, 48, 49, 130])
+def test_panel_linear_matches_f_linear(weight: str, act: torch.dtype, rows: int) -> None:
+    """Every tile height (1-6 rows), more than one 48-row block, a 37-wide tail panel, K = 300 (two K slices,
+    the second partial), with bias; int8 against the dequantized weight."""
+    torch.manual_seed(rows)
+    w = torch.randn(37, 300) * 0.1
+    bias = torch.randn(37)
+    if weight == "int8":
+        scales = w.abs().amax(1) / 127
+        q = torch.round(w / scales[:, None]).to(torch.int8)
+        packed, dense = cpu_gemm.pack(q, scales), q.float() * scales[:, None]
+    else:
+        dt = getattr(torch, weight)
+        packed, dense = cpu_gemm.pack(w.to(dt)), w.to(dt).float()
+    x = torch.randn(rows, 300).to(act)
+    got = packed.matmul(x, bias.to(act))
+    ref = F.linear(x.float(), dense, bias.to(act).float())
+    assert got.dtype == act and got.shape == (rows, 37)
+    tol = 1e-5 if act == torch.float32 else 1e-2  # bf16: the output's rounding
+    assert (got.float() - ref).abs().max().item() <= tol * ref.abs().max().item()
+    assert torch.allclose(packed.to_dense().float(), dense)
+
+
+def test_leading_dimensions_strides_and_bad_weights() -> None:
+    w = torch.randn(20, 24)
+    packed = cpu_gemm.pack(w)
+    x = torch.randn(3, 2, 48)[..., ::2]  # not contiguous, two leading dimensions
+    assert torch.allclose(packed.matmul(x), F.linear(x, w), atol=1e-5)
+    assert packed.nbytes == 2 * 16 * 24 * 4  # two panels, the second padded
+    with pytest.raises(ValueError, match="2-D"):
+        cpu_gemm.pack(torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match="scales"):
+        cpu_gemm.pack(torch.zeros(4, 4, dtype=torch.int8))
+    with pytest.raises(ValueError, match="float64"):
+        cpu_gemm.pack(torch.randn(4, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="25 input features, the weight 24"):
+        packed.matmul(torch.randn(1, 25))
+
+
+def test_mode_follows_the_cpu_and_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    onednn = torch.backends.mkldnn.is_available()
+    monkeypatch.setattr(native_ops, "cpu_flags", lambda cpuinfo=None: {"avx2", "fma"})
+    assert cpu_linear.mode(torch.float32) == "panel"  # no AVX-512: the panel kernel
+    assert cpu_linear.mode(torch.float64) == "torch"
+    monkeypatch.setattr(native_ops, "cpu_flags", lambda cpuinfo=None: {"avx2", "fma", "avx512f"})
+    assert cpu_linear.mode(torch.float32) == ("onednn" if onednn else "panel")  # oneDNN's AVX-512 kernels
+    monkeypatch.setenv("LORAFLEET_CPU_LINEAR", "panel")
+    assert cpu_linear.mode(torch.float32) == "panel"
+    assert isinstance(cpu_linear.pack(torch.randn(4, 4)), cpu_gemm.PanelWeight)
+    monkeypatch.setenv("LORAFLEET_CPU_LINEAR", "onednn")
+    assert cpu_linear.mode(torch.float32) == ("onednn" if onednn else "torch")
+    monkeypatch.setenv("LORAFLEET_CPU_LINEAR", "torch")
+    assert cpu_linear.mode(torch.float32) == "torch" and cpu_linear.pack(torch.randn(4, 4)) is None

@@ -1,0 +1,321 @@
+"""Base-model linears on CPU in C++: the weight in 16-wide panels, one kernel for every batch size.
+
+A weight [N, K] is stored as [ceil(N / 16), K, 16] (`pack`): for each group of 16 output channels, the 16
+weights of input k side by side. A micro-tile computes 16 outputs of up to 6 rows of x in twelve AVX2 registers,
+reading its panel front to back and broadcasting x (the 6 x 16 tile of BLIS and of llamafile's tinyBLAS, which
+llama.cpp uses): with one row of x (one user decoding) the panels stream from memory once, at the bandwidth;
+with many rows, x is packed tile by tile and a 256-input slice of a panel stays in L1 while every tile of a
+48-row block reads it, so the kernel runs at the FMA units' rate. bfloat16 panels are widened in registers
+(a 16-bit shift), int8 panels (`quantization.py`, `--quantization int8`) converted and scaled per output
+channel at the end; sums are float32, the output is in x's dtype, a bias is added in the same pass.
+
+Measured on the 2-core AVX2 EPYC of the benchmarks, the 121 linears of SmolLM2-135M (one thread, best of 4,
+side by side with oneDNN's prepacked float32 linear, `cpu_linear.py`'s other path): M = 1: 40 vs 45 ms; M = 4:
+58 vs 70; M = 32: 148 vs 206; M = 128: 513 vs 504; M = 512: 2251 vs 2283; bfloat16 and int8 panels read half
+and a quarter of the bytes (M = 1: 21 and 14 ms), where oneDNN has no bfloat16 kernel on this CPU and PyTorch's
+`_weight_int8pack_mm` took 266 ms. `cpu_linear.mode` says where it is used.
+
+Where the library comes from (`native_ops`, as for `cpu_attention.py`): prebuilt in `$LORAFLEET_CPU_OPS_DIR`,
+else compiled at first use with -march=native, else none (`available()` False; `cpu_linear` keeps oneDNN or
+`F.linear`). `LORAFLEET_CPU_LINEAR=torch` turns it off with the rest of the packing.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lorafleet_worker import native_ops
+
+PANEL = 16  # output channels per panel (the C++ NR)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+// Panel layout: a weight [N, K] becomes [ceil(N / 16), K, 16]: for each group of 16 output channels, the
+// 16 weights of input k side by side, so a micro-tile reads one panel front to back and keeps 16 outputs of
+// up to 6 rows of x in registers (the 6 x 16 AVX2 tile of BLIS / llamafile's tinyBLAS).
+constexpr int64_t NR = 16;
+constexpr int64_t MR = 6;
+constexpr int64_t MB = 48;  // rows of x per block: the block's x stays in L2 while every panel passes it
+constexpr int64_t KC = 256;  // inputs per slice: a slice of a panel stays in L1 while every tile of the block reads it
+
+static inline float widen(float x) { return x; }
+static inline float widen(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+static inline float widen(int8_t x) { return static_cast<float>(x); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline void load16(const float* p, __m256& a, __m256& b) { a = _mm256_loadu_ps(p); b = _mm256_loadu_ps(p + 8); }
+static inline void load16(const at::BFloat16* p, __m256& a, __m256& b) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
+  b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+}
+static inline void load16(const int8_t* p, __m256& a, __m256& b) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+  b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
+}
+
+// c[i][0..16) (+)= sum_k xt[k, i] * panel[k, 0..16) for i < mr, k < kc; xt: the tile's rows of x packed [kc][mr].
+// Twelve named accumulators (not an array, which GCC keeps on the stack): the 6 x 16 tile fills 15 of the
+// 16 ymm registers.
+#define LF_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+template <typename W, int mr>
+static inline void tile(const float* xt, const W* panel, int64_t kc, float* c, bool first) {
+#define LF_DECL(i) __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = _mm256_setzero_ps();
+  LF_ROWS(LF_DECL)
+#define LF_LOAD(i)                            \
+  if constexpr (i < mr) if (!first) {         \
+      a##i##0 = _mm256_loadu_ps(c + i * NR);     \
+      a##i##1 = _mm256_loadu_ps(c + i * NR + 8); \
+    }
+  LF_ROWS(LF_LOAD)
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 w0, w1;
+    load16(panel + k * NR, w0, w1);
+#define LF_FMA(i)                                                   \
+  if constexpr (i < mr) {                                           \
+    const __m256 xv = _mm256_broadcast_ss(xt + k * mr + i);         \
+    a##i##0 = _mm256_fmadd_ps(xv, w0, a##i##0);                     \
+    a##i##1 = _mm256_fmadd_ps(xv, w1, a##i##1);                     \
+  }
+    LF_ROWS(LF_FMA)
+  }
+#define LF_STORE(i) \
+  if constexpr (i < mr) { _mm256_storeu_ps(c + i * NR, a##i##0); _mm256_storeu_ps(c + i * NR + 8, a##i##1); }
+  LF_ROWS(LF_STORE)
+#undef LF_DECL
+#undef LF_LOAD
+#undef LF_FMA
+#undef LF_STORE
+}
+#else
+template <typename W, int mr>
+static inline void tile(const float* xt, const W* panel, int64_t kc, float* c, bool first) {
+  float acc[mr][NR];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = first ? 0.0f : c[i * NR + j];
+  for (int64_t k = 0; k < kc; ++k) {
+    const W* w = panel + k * NR;
+    for (int i = 0; i < mr; ++i) {
+      const float xv = xt[k * mr + i];
+#pragma omp simd
+      for (int j = 0; j < NR; ++j) acc[i][j] += xv * widen(w[j]);
+    }
+  }
+  for (int i = 0; i < mr; ++i) std::memcpy(c + i * NR, acc[i], sizeof(acc[i]));
+}
+#endif
+
+template <typename W>
+static void tile_any(int mr, const float* xt, const W* panel, int64_t kc, float* c, bool first) {
+  switch (mr) {
+    case 1: tile<W, 1>(xt, panel, kc, c, first); break;
+    case 2: tile<W, 2>(xt, panel, kc, c, first); break;
+    case 3: tile<W, 3>(xt, panel, kc, c, first); break;
+    case 4: tile<W, 4>(xt, panel, kc, c, first); break;
+    case 5: tile<W, 5>(xt, panel, kc, c, first); break;
+    default: tile<W, 6>(xt, panel, kc, c, first); break;
+  }
+}
+
+template <typename W, typename O>
+static void linear_impl(const at::Tensor& x, const at::Tensor& panels, const float* scales, const float* bias,
+                        at::Tensor& out, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  const float* xp = x.data_ptr<float>();
+  const W* wp = reinterpret_cast<const W*>(panels.data_ptr());
+  O* op = reinterpret_cast<O*>(out.data_ptr());
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(1, P / (threads * 4));
+  std::vector<float> xpack(std::min(MB, M) * K);
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+    const int64_t mb = std::min(MB, M - m0);
+    // x's block in tiles of at most MR rows, as even as possible (32 rows: 6 6 5 5 5 5), each packed [K][mr]
+    // (k-major) so that a tile's broadcasts read one stream
+    const int64_t tiles = (mb + MR - 1) / MR;
+    int64_t rows[MB / MR + 2];
+    for (int64_t t = 0; t <= tiles; ++t) rows[t] = t * mb / tiles;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t mr = rows[t + 1] - rows[t];
+      float* dst = xpack.data() + rows[t] * K;
+      for (int64_t i = 0; i < mr; ++i) {
+        const float* src = xp + (m0 + rows[t] + i) * K;
+        for (int64_t k = 0; k < K; ++k) dst[k * mr + i] = src[k];
+      }
+    }
+    at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+      float c[MB * NR];
+      float wide[KC * NR];
+      for (int64_t p = p0; p < p1; ++p) {
+        const W* panel = wp + p * K * NR;
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {  // a KC slice of the panel stays in L1 for every tile
+          const int64_t kc = std::min(KC, K - k0);
+          const W* slice = panel + k0 * NR;
+          if (!std::is_same<W, float>::value && mb > MR) {  // several tiles: widen the slice once, not per tile
+            for (int64_t e = 0; e < kc * NR; ++e) wide[e] = widen(slice[e]);
+            for (int64_t t = 0; t < tiles; ++t)
+              tile_any<float>(rows[t + 1] - rows[t], xpack.data() + rows[t] * K + k0 * (rows[t + 1] - rows[t]),
+                              wide, kc, c + rows[t] * NR, k0 == 0);
+          } else {
+            for (int64_t t = 0; t < tiles; ++t)
+              tile_any<W>(rows[t + 1] - rows[t], xpack.data() + rows[t] * K + k0 * (rows[t + 1] - rows[t]), slice,
+                          kc, c + rows[t] * NR, k0 == 0);
+          }
+        }
+        const int64_t n0 = p * NR, nw = std::min(NR, N - n0);
+        for (int64_t i = 0; i < mb; ++i) {
+          O* row = op + (m0 + i) * N + n0;
+          const float* ci = c + i * NR;
+          for (int64_t j = 0; j < nw; ++j) {
+            float v = ci[j];
+            if (scales) v *= scales[n0 + j];
+            if (bias) v += bias[n0 + j];
+            row[j] = static_cast<O>(v);
+          }
+        }
+      }
+    });
+  }
+}
+
+// w [N, K] -> [ceil(N / 16), K, 16], zero padded (same dtype)
+at::Tensor pack_panels(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2, "pack_panels: a 2-D weight");
+  const int64_t N = w.size(0), K = w.size(1), P = (N + NR - 1) / NR;
+  auto src = w.contiguous();
+  auto padded = at::zeros({P * NR, K}, w.options());
+  padded.narrow(0, 0, N).copy_(src);
+  return padded.view({P, NR, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] (float32 or bfloat16) @ W.T (+ bias) with W in panels (float32, bfloat16 or int8 with per-output
+// float32 scales); out in x's dtype.
+at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t N,
+                        const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2 && panels.dim() == 3 && panels.size(2) == NR,
+              "panel_linear: x [M, K], panels [P, K, 16]");
+  TORCH_CHECK(x_in.size(1) == panels.size(1), "panel_linear: K differs");
+  TORCH_CHECK(panels.is_contiguous(), "panel_linear: contiguous panels");
+  // Tensors only from here on: let the server's event loop (HTTP, detokenizing) run meanwhile.
+  pybind11::gil_scoped_release no_gil;
+  auto x = x_in.to(at::kFloat).contiguous();
+  at::Tensor s, b;
+  const float* sp = nullptr;
+  const float* bp = nullptr;
+  if (scales) { s = scales->to(at::kFloat).contiguous(); sp = s.data_ptr<float>(); }
+  if (bias) { b = bias->to(at::kFloat).contiguous(); bp = b.data_ptr<float>(); }
+  auto out = at::empty({x.size(0), N}, x_in.options());
+  const bool bf16_out = x_in.scalar_type() == at::kBFloat16;
+  switch (panels.scalar_type()) {
+    case at::kFloat:
+      if (bf16_out) linear_impl<float, at::BFloat16>(x, panels, sp, bp, out, N);
+      else linear_impl<float, float>(x, panels, sp, bp, out, N);
+      break;
+    case at::kBFloat16:
+      if (bf16_out) linear_impl<at::BFloat16, at::BFloat16>(x, panels, sp, bp, out, N);
+      else linear_impl<at::BFloat16, float>(x, panels, sp, bp, out, N);
+      break;
+    case at::kChar:
+      TORCH_CHECK(sp != nullptr, "panel_linear: int8 panels need scales");
+      if (bf16_out) linear_impl<int8_t, at::BFloat16>(x, panels, sp, bp, out, N);
+      else linear_impl<int8_t, float>(x, panels, sp, bp, out, N);
+      break;
+    default:
+      TORCH_CHECK(false, "panel_linear: float32, bfloat16 or int8 panels");
+  }
+  return out;
+}
+"""
+
+EXT_NAME = "lorafleet_cpu_gemm_v2"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+EXTENSION = native_ops.Extension(
+    name=EXT_NAME,
+    source=_SOURCE,
+    functions=("pack_panels", "panel_linear"),
+    switch="LORAFLEET_CPU_LINEAR",
+    what="CPU panel GEMM",
+    fallback="base linears use oneDNN or F.linear",
+)
+
+
+@functools.cache
+def _module() -> Any | None:
+    if native_ops.switched_off(EXTENSION):
+        return None
+    return native_ops.built(EXTENSION)
+
+
+def available() -> bool:
+    """True when the kernel is built (or could be built now) on this machine."""
+    return _module() is not None
+
+
+@dataclass(frozen=True)
+class PanelWeight:
+    """A [out_features, in_features] weight in panels (float32, bfloat16, or int8 with float32 `scales`)."""
+
+    panels: Tensor  # [ceil(out / 16), in, 16]
+    out_features: int
+    scales: Tensor | None = None  # int8: per output channel, float32 [out]
+
+    def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x @ w.T (+ bias) for x [..., in] in float32 or bfloat16; the result in x's dtype."""
+        return linear(x, self.panels, self.out_features, self.scales, bias)
+
+    def to_dense(self) -> Tensor:
+        """The weight [out, in] (int8: dequantized to float32)."""
+        p, k, _ = self.panels.shape
+        dense = self.panels.transpose(1, 2).reshape(p * PANEL, k)[: self.out_features]
+        if self.scales is not None:
+            return dense.float() * self.scales[:, None]
+        return dense.contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return self.panels.numel() * self.panels.element_size() + extra
+
+
+def linear(x: Tensor, panels: Tensor, out_features: int, scales: Tensor | None, bias: Tensor | None) -> Tensor:
+    """x [..., in] @ the panels' weight.T (int8: times `scales` per output channel) + bias, in x's dtype."""
+    mod = _module()
+    assert mod is not None, "check available() first"
+    if x.shape[-1] != panels.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weight {panels.shape[1]}")
+    out: Tensor = mod.panel_linear(x.reshape(-1, panels.shape[1]), panels, out_features, scales, bias)
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def pack(w: Tensor, scales: Tensor | None = None) -> PanelWeight:
+    """`w` [out, in] (float32, bfloat16; int8 with `scales`) in panels."""
+    mod = _module()
+    assert mod is not None, "check available() first"
+    if w.dim() != 2 or w.dtype not in (torch.float32, torch.bfloat16, torch.int8):
+        raise ValueError(f"panels hold 2-D float32, bfloat16 or int8 weights, not {w.dtype} {tuple(w.shape)}")
+    if (w.dtype == torch.int8) != (scales is not None):
+        raise ValueError("int8 panels need per-channel scales, and only int8 panels take them")
+    panels: Tensor = mod.pack_panels(w.detach())
+    return PanelWeight(panels, w.shape[0], None if scales is None else scales.float().contiguous())
+
+
+__all__ = ["EXTENSION", "PANEL", "PanelWeight", "available", "linear", "pack"]
