@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lorafleet_worker.lora import backend as backend_mod
 from lorafleet_worker.lora import cpu_lora
 from lorafleet_worker.lora.adapter import GROUPS, LoRAAdapter, group_shapes
 from lorafleet_worker.lora.backend import SMALL_SEGMENT, TorchLoRABackend, get_backend, make_plan
@@ -82,8 +83,14 @@ def test_matches_dense_reference(pool_and_adapters, path: str, group: str, layou
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("layout", ["decode", "prefill+decode"])
-def test_bfloat16(pool_and_adapters, path: str, layout: str) -> None:
+@pytest.mark.parametrize("layout", ["decode", "prefill+decode", "large-scattered"])
+@pytest.mark.parametrize("bf16_units", [True, False], ids=["bf16-matmul", "no-bf16-matmul"])
+def test_bfloat16(pool_and_adapters, path: str, layout: str, bf16_units: bool, monkeypatch) -> None:
+    """Without bfloat16 matmul units the kernel takes the large segments too (no per-adapter matmul)."""
+    monkeypatch.setattr(backend_mod, "_fast_bf16_matmul", lambda: bf16_units)
+    per_adapter = []
+    original = TorchLoRABackend._per_adapter
+    monkeypatch.setattr(TorchLoRABackend, "_per_adapter", lambda self, *a: per_adapter.append(1) or original(self, *a))
     _, adapters = pool_and_adapters
     pool = LoRAPool(CONFIG, num_slots=5, max_rank=MAX_RANK, dtype=torch.bfloat16)
     for slot, adapter in adapters.items():
@@ -95,6 +102,8 @@ def test_bfloat16(pool_and_adapters, path: str, layout: str) -> None:
     backend.apply(x.bfloat16(), out, pool.weights(0, "qkv"), backend.prepare(torch.tensor(slots)))
     ref = dense_reference(x, slots, adapters, 0, "qkv")
     torch.testing.assert_close(out.double(), ref, rtol=5e-2, atol=5e-2 * float(ref.abs().max()))
+    large = layout != "decode"
+    assert bool(per_adapter) == (path == "torch" or (large and bf16_units)), per_adapter  # torch: every segment
 
 
 @needs_kernel

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,6 +71,7 @@ class _Plan:
     small: tuple[Segment, ...]
     small_rows: Tensor  # int32: the rows of the small segments' tokens, segment after segment
     small_segs: Tensor  # int64 [S, 3]: (slot, start, end) into small_rows
+    all_grouped: _Plan | None = None  # the same step with every segment small (`TorchLoRABackend.apply`)
 
 
 def make_plan(batch: LoRABatchInfo, small_segment: int = SMALL_SEGMENT) -> _Plan:
@@ -105,9 +107,10 @@ class TorchLoRABackend:
         split over ATen's threads;
       - larger segments (prefill chunks) run their own rank-r matmuls, one shrink mm and one in-place addmm_
         per slice, in place when their tokens are consecutive rows (else gathered once, index_add_ back).
-    Without the kernel (`grouped="torch"`, `LORAFLEET_CPU_LORA=torch`, no compiler, CUDA, float16) every
-    segment takes the per-adapter matmuls. No op changes torch's thread count. `bench/micro_lora.py` times
-    both against their matmul-only floor.
+    In bfloat16 on a CPU without bfloat16 matmul units (no AVX512-BF16 / AMX) the large segments go to the
+    kernel too: torch's bf16 mm / addmm_ there is a slow emulation. Without the kernel (`grouped="torch"`,
+    `LORAFLEET_CPU_LORA=torch`, no compiler, CUDA, float16) every segment takes the per-adapter matmuls.
+    No op changes torch's thread count. `bench/micro_lora.py` times both against their matmul-only floor.
     """
 
     def __init__(self, device: torch.device | str = "cpu", grouped: str | None = None) -> None:
@@ -142,16 +145,24 @@ class TorchLoRABackend:
         adapted = w.slot_adapted
         if adapted is not None and not any(adapted[s] for s in plan.slots):
             return  # no adapter of the step adapts this group (e.g. q/v-only adapters on the MLP)
+        kernel = (
+            self.grouped == "cpp"
+            and x.device.type == "cpu"
+            and x.dtype == out.dtype == w.A.dtype == w.B.dtype
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and out.stride(-1) == 1
+        )
+        if kernel and plan.large and x.dtype == torch.bfloat16 and not _fast_bf16_matmul():
+            # without bfloat16 matmul units torch's bf16 mm / addmm_ ran ~10x slower than the kernel
+            # (prefill with an adapter, bench/README.md): every segment goes to the kernel
+            if plan.all_grouped is None:
+                plan.all_grouped = make_plan(batch, batch.num_tokens)
+            plan = plan.all_grouped
         if plan.large:
             self._per_adapter(x, out, w, batch, plan.large)
         if not plan.small:
             return
-        if (
-            x.device.type == "cpu"
-            and x.dtype == out.dtype == w.A.dtype == w.B.dtype
-            and x.dtype in (torch.float32, torch.bfloat16)
-            and out.stride(-1) == 1
-        ):
+        if kernel:
             from . import cpu_lora
 
             ranks = w.ranks_cpu if w.ranks_cpu is not None else w.ranks.cpu()
@@ -201,6 +212,12 @@ class TorchLoRABackend:
             if r:
                 shrunk = torch.mm(x, a_slot[s, :r].t())
                 out[:, offs[s] : offs[s + 1]].addmm_(shrunk, b_slot[offs[s] : offs[s + 1], :r].t(), alpha=scaling)
+
+
+@functools.cache
+def _fast_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (oneDNN's AVX512-BF16 / AMX kernels)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
