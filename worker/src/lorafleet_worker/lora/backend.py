@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from ..devices import cpu_bf16_flag
 from .batch import LoRABatchInfo, build_batch_info
 
 BACKENDS = ("torch", "triton")
@@ -214,10 +214,9 @@ class TorchLoRABackend:
                 out[:, offs[s] : offs[s + 1]].addmm_(shrunk, b_slot[offs[s] : offs[s + 1], :r].t(), alpha=scaling)
 
 
-@functools.cache
 def _fast_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (oneDNN's AVX512-BF16 / AMX kernels)."""
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether this CPU multiplies bfloat16 natively (AMX / AVX512-BF16: `devices.cpu_bf16_flag`, cached)."""
+    return cpu_bf16_flag() is not None
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
