@@ -393,7 +393,8 @@ class Soak:
             ready = any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or [])
             restarts = sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or [])
             pods[pod["metadata"]["name"]] = {"ready": ready, "restarts": restarts, "ip": pod["status"].get("podIP")}
-            if not ready:  # why it is not back: the tail of its log
+            if not ready:  # why it is not back: what its probes answer now, and the tail of its log
+                pods[pod["metadata"]["name"]]["probes"] = self.probe_answers(pod)
                 pods[pod["metadata"]["name"]]["log_tail"] = self.release.cluster.logs(
                     self.ns, pod["metadata"]["name"]
                 ).splitlines()[-30:]
@@ -401,6 +402,21 @@ class Soak:
         leader = str(lease["spec"].get("holderIdentity") or "")
         log = self.release.cluster.logs(self.ns, leader).splitlines()[-60:] if leader else []
         return {"models": models, "worker_pods": pods, "leader": leader, "leader_log_tail": log}
+
+    def probe_answers(self, pod: dict[str, Any]) -> dict[str, Any]:
+        """A worker's /ready and /health as its kubelet asks them, with how long each answer took
+        (a probe times out after its timeoutSeconds, which a slow answer alone can fail)."""
+        out: dict[str, Any] = {}
+        with self.release.pod_port(pod, 9090) as base:
+            for path in ("/ready", "/health"):
+                t0 = time.monotonic()
+                try:
+                    r = httpx.get(base + path, timeout=30)
+                    answer: Any = {"status": r.status_code, "body": r.text[:300]}
+                except httpx.HTTPError as exc:
+                    answer = {"error": repr(exc)}
+                out[path] = {**answer, "seconds": round(time.monotonic() - t0, 3)}
+        return out
 
     def rss(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -28,9 +28,27 @@ def test_worker_stall_timeout_and_liveness_probe_come_from_values() -> None:
                                       "failureThreshold": 3, "timeoutSeconds": 5}  # fmt: skip
 
 
+def test_startup_waits_for_the_model_and_readiness_allows_a_busy_worker_5_seconds() -> None:
+    """Startup asks /ready, so a model load that hangs ends in a restart after the startup budget instead of a
+    pod that passes /health (healthy while loading) and stays out of service; readiness waits 5 s, not 1 s."""
+    default = worker({"workers": [GROUP]})
+    assert default["startupProbe"] == {
+        "httpGet": {"path": "/ready", "port": "system"}, "periodSeconds": 5, "failureThreshold": 120,
+        "timeoutSeconds": 5,
+    }  # fmt: skip
+    assert default["readinessProbe"] == {
+        "httpGet": {"path": "/ready", "port": "system"}, "periodSeconds": 5, "failureThreshold": 3,
+        "timeoutSeconds": 5,
+    }  # fmt: skip
+    tuned = worker({"workers": [{**GROUP, "startupProbe": {"failureThreshold": 360}}]})
+    assert tuned["startupProbe"]["failureThreshold"] == 360  # type: ignore[index]
+    assert tuned["startupProbe"]["periodSeconds"] == 5  # type: ignore[index]
+
+
 def test_bad_liveness_values_are_refused() -> None:
     for bad in ({"healthStallTimeoutSeconds": -1}, {"livenessProbe": {"periodSeconds": 0}},
-                {"livenessProbe": {"exec": {"command": ["true"]}}}):  # fmt: skip
+                {"livenessProbe": {"exec": {"command": ["true"]}}}, {"startupProbe": {"failureThreshold": 0}},
+                {"readinessProbe": {"httpGet": {"path": "/"}}}):  # fmt: skip
         with pytest.raises(HelmError) as err:
             template({"workers": [{**GROUP, **bad}]})
         field = next(iter(bad))
