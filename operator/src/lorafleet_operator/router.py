@@ -286,19 +286,24 @@ class Router:
 
         failed = model is not None and model.status.get("phase") == "Failed"
         deadline = time.monotonic() + (0 if failed else self.unavailable_wait)
+        attempts, pause = 0, 0.2
         while True:
             endpoint = self.choose(endpoints, tried)
             if endpoint is None:
-                # every holder failed or none is ready (e.g. re-placement after its pods went away):
-                # wait a little for the operator to load it elsewhere instead of failing at once
+                # every holder failed or none is ready (e.g. re-placement after its pods went away): wait a
+                # little, with backoff, for the operator to load it elsewhere or for a holder that failed a
+                # moment ago (restarting, still loading the adapter) to answer, instead of failing at once
                 if time.monotonic() >= deadline:
                     break
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(2 * pause, 1.0)
                 fresh = self.table.resolve(name)
                 endpoints = fresh[1] if fresh else []
+                tried.clear()  # every holder, the ones tried included, gets another try
                 continue
             tried.add(endpoint)
-            if len(tried) > 1:
+            attempts += 1
+            if attempts > 1:
                 metrics.ROUTER_RETRIES.inc()
             self.inflight[endpoint] += 1
             metrics.ROUTER_INFLIGHT.inc()

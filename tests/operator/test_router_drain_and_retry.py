@@ -1,5 +1,8 @@
-"""A stopped router drains (a rollout, a scale-down): on SIGTERM its /ready fails at once while it keeps
-serving for the drain delay, then it stops accepting connections and lets the requests in flight finish.
+"""The router through ordinary trouble (issue 28):
+- a stopped router drains (a rollout, a scale-down): on SIGTERM its /ready fails at once while it keeps
+  serving for the drain delay, then it stops accepting connections and lets the requests in flight finish;
+- an adapter's only holder that fails a request once (503: restarting, still loading) is tried again: the
+  client gets the answer, not a 503 after `--router-unavailable-wait` (the 30-minute soak found that).
 
 Real HTTP on 127.0.0.x: the router's own `serve` (what `lorafleet-router` runs) in front of a stub worker
 whose stream the test holds open until after the listener has closed.
@@ -23,13 +26,20 @@ from .conftest import INFER_PORT, MGMT_PORT, REAL_BASE, pod_body
 
 ADAPTER = "org/drain"
 RELEASE = web.AppKey("release", asyncio.Event)  # the stub ends its stream when this is set
+FLAKY = web.AppKey("flaky", list)  # requests with prompt "flaky" the stub has seen (the first gets a 503)
 PORT = 8080
 DELAY, TIMEOUT = 3.0, 30.0
+UNAVAILABLE_WAIT = 20.0
 
 
 async def _stub(request: web.Request) -> web.StreamResponse:
-    """A holder: non-streamed answers at once; a stream sends one chunk, then waits for RELEASE."""
+    """A holder: non-streamed answers at once (the first "flaky" one a 503); a stream sends one chunk,
+    then waits for RELEASE."""
     body = await request.json()
+    if body.get("prompt") == "flaky":
+        request.app[FLAKY].append(body)
+        if len(request.app[FLAKY]) == 1:
+            return web.json_response({"error": {"message": "engine restarting"}}, status=503)
     if not body.get("stream"):
         return web.json_response({"object": "text_completion", "choices": [{"index": 0, "text": " now"}]})
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -57,6 +67,7 @@ async def front() -> AsyncIterator[Front]:
     worker, host = block.take(), block.take()
     stub = web.Application()
     stub[RELEASE] = asyncio.Event()
+    stub[FLAKY] = []
     stub.router.add_post("/v1/completions", _stub)
     runner = web.AppRunner(stub)
     await runner.setup()
@@ -69,7 +80,7 @@ async def front() -> AsyncIterator[Front]:
         "status": {"phase": "Ready", "endpoints": [
             {"address": f"http://{worker}:{MGMT_PORT}", "podName": "worker-0", "ready": True}]},
     })  # fmt: skip
-    router, stop = Router(table, timeout=60, unavailable_wait=3), asyncio.Event()
+    router, stop = Router(table, timeout=60, unavailable_wait=UNAVAILABLE_WAIT), asyncio.Event()
     serving = asyncio.create_task(serve(router, host, PORT, stop, DELAY, TIMEOUT))
     url = f"http://{host}:{PORT}"
     try:
@@ -160,3 +171,14 @@ async def test_a_stream_longer_than_the_drain_timeout_is_cut(front: Front) -> No
         stop.set()
         await serving
         block.close()
+
+
+async def test_the_only_holder_failing_once_is_tried_again(front: Front) -> None:
+    """Its first answer is a 503; the router tries it again (after 0.2 s) instead of waiting the whole
+    `unavailable_wait` for *another* holder and then passing the 503 on."""
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession() as http, http.post(front.url + "/v1/completions",
+                                                           json={**_body(False), "prompt": "flaky"}) as r:  # fmt: skip
+        assert r.status == 200, await r.text()
+        assert (await r.json())["choices"][0]["text"] == " now"
+    assert time.monotonic() - t0 < UNAVAILABLE_WAIT / 2  # well before the wait would have run out
