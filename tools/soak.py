@@ -626,7 +626,10 @@ def build_report(
     last_fault: float,
 ) -> dict[str, Any]:
     def through_killed_router(o: Outcome) -> bool:
-        """In flight when its router was killed, or sent to it before its pod turned unready (30 s)."""
+        """A connection-level failure (no HTTP answer) in flight when its router was killed, or sent to it before
+        its pod turned unready (30 s). An HTTP status came from a live router: never excused."""
+        if o.result.startswith("http-"):
+            return False
         return any(o.router.startswith(url) and o.started - 30 <= t <= o.ended + 1 for url, t in soak.killed_routers)
 
     outcomes = soak.outcomes

@@ -54,13 +54,17 @@ KILLS = ("worker-kill", "pod-delete", "router-kill")  # the faults that end a po
 def unexplained_breaks(
     outcomes: Sequence[Mapping[str, Any]], faults: Sequence[Mapping[str, Any]], slack: float = 2.0
 ) -> list[Mapping[str, Any]]:
-    """Streams that failed while no worker or router was killed: a kill fault (``KILLS``) must fall between
-    the stream's start and its end (plus ``slack`` s: the client learns of a death a little later)."""
-    kills = [f["at"] for f in faults if f["kind"] in KILLS]
+    """Streams that failed while no worker or router was killed: a kill fault (``KILLS``), from its start to its
+    end, must overlap the stream, from its start to its end plus ``slack`` s (the client learns of a death a
+    little later). A pod deletion takes a moment to kill the process, so a stream the router sent to that pod
+    just after the deletion began is still its victim."""
+    kills = [(f["at"], f.get("ended", f["at"])) for f in faults if f["kind"] in KILLS]
     return [
         o
         for o in outcomes
-        if o["stream"] and o["result"] != "ok" and not any(o["started"] <= t <= o["ended"] + slack for t in kills)
+        if o["stream"]
+        and o["result"] != "ok"
+        and not any(at <= o["ended"] + slack and o["started"] <= ended for at, ended in kills)
     ]
 
 

@@ -112,7 +112,11 @@ def test_a_broken_stream_is_explained_only_by_a_kill_while_it_was_in_flight() ->
     kill = {"at": 11.0, "ended": 11.1, "kind": "worker-kill", "target": "w"}
     assert REPORT.unexplained_breaks([broken], [kill]) == []
     assert REPORT.unexplained_breaks([broken], [{**kill, "at": 13.5}]) == []  # seen by the client within the slack
-    assert REPORT.unexplained_breaks([broken], [{**kill, "at": 20.0}]) == [broken]  # a kill after it ended
+    assert REPORT.unexplained_breaks([broken], [{**kill, "at": 20.0, "ended": 20.2}]) == [broken]  # after it ended
+    # a pod deletion under way when the stream started (the router had not seen it yet): its victim
+    assert REPORT.unexplained_breaks([broken], [{**kill, "kind": "pod-delete", "at": 9.8, "ended": 10.1}]) == []
+    # one that was over before the stream started: not
+    assert REPORT.unexplained_breaks([broken], [{**kill, "kind": "pod-delete", "at": 9.0, "ended": 9.5}]) == [broken]
     assert REPORT.unexplained_breaks([broken], [{**kill, "kind": "apiserver-restart"}]) == [broken]  # not a kill
     plain = {**broken, "stream": False}
     assert REPORT.unexplained_breaks([plain, {**broken, "result": "ok"}], []) == []  # only failed streams count

@@ -115,3 +115,65 @@ def test_large_score_range_stays_finite() -> None:
     out = cpu_attention.paged_decode(q, k_cache, v_cache, torch.tensor([[1, 2]], dtype=torch.int32),
                                      torch.tensor([6], dtype=torch.int32), 1.0, None)  # fmt: skip
     assert torch.allclose(out[0, 0], v_cache[1, 0, 0], atol=1e-6)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_attention_is_the_ops_it_fuses(dtype: torch.dtype, tol: float, window: int | None, qk_norm: bool) -> None:
+    """`decode_attention` on a qkv projection = per-head q/k RMSNorm, RoPE, the cache writes and the decode
+    attention done op by op with torch (RMSNorm module, apply_rope, index_copy_, gather + masked SDPA)."""
+    from lorafleet_worker.model.rope import apply_rope
+    from lorafleet_worker.model.transformer import RMSNorm
+
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, block_size, num_blocks = 6, 2, 16, 4, 40
+    seq_lens = [1, 5, 13, 30]
+    n = len(seq_lens)
+    block_tables = scattered_block_tables(seq_lens, block_size, num_blocks)
+    batch = decode_batch(seq_lens, block_tables, block_size, window)
+    # each new token goes to the slot of its position (the last one of its sequence)
+    pos = [s - 1 for s in seq_lens]
+    batch.slot_mapping = torch.tensor([int(block_tables[i, p // block_size]) * block_size + p % block_size
+                                       for i, p in enumerate(pos)], dtype=torch.int64)  # fmt: skip
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    angles = torch.randn(n, head_dim // 2)
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)[:, None, :]  # [T, 1, D], as rope_cos_sin
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)[:, None, :]
+    norms = None
+    if qk_norm:
+        norms = (RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6))
+        for m in norms:
+            m.weight.data = (1 + 0.1 * torch.randn(head_dim)).to(dtype)
+    scale = head_dim**-0.5
+
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q, k, v = qkv.clone().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.reshape(n, heads, head_dim), k.reshape(n, kv_heads, head_dim), v.reshape(n, kv_heads, head_dim)
+    if norms is not None:
+        q, k = norms[0](q), norms[1](k)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_ref.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
+    v_ref.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
+    ref = _torch_decode(q.float(), k_ref.float(), v_ref.float(), batch, scale).reshape(n, heads * head_dim)
+
+    ours = cpu_attention.decode_attention(
+        qkv, cos, sin, None if norms is None else norms[0].weight, None if norms is None else norms[1].weight,
+        1e-6, k_cache, v_cache, batch, heads, scale, window,
+    )  # fmt: skip
+    assert ours.dtype == dtype and ours.shape == (n, heads * head_dim)
+    assert (ours.float() - ref).abs().max().item() < tol
+    assert (k_cache.float() - k_ref.float()).abs().max().item() < tol  # the roped keys, written at their slots
+    assert torch.equal(v_cache, v_ref)
+
+
+def test_decode_attention_refuses_a_slot_outside_the_cache() -> None:
+    k_cache = torch.zeros(2, 4, 1, 8)
+    batch = decode_batch([1], torch.tensor([[1]], dtype=torch.int32), 4, None)
+    batch.slot_mapping = torch.tensor([8])  # 2 blocks x 4 slots: 8 is one past the end
+    cos, sin = torch.ones(1, 8), torch.zeros(1, 8)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_attention.decode_attention(torch.zeros(1, 24), cos, sin, None, None, 0.0, k_cache, k_cache.clone(),
+                                       batch, 1, 1.0, None)  # fmt: skip

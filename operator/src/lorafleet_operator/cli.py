@@ -24,6 +24,8 @@ ROUTER_FLAGS = (
     "router_policy",
     "router_balance",
     "router_min_match",
+    "router_drain_delay",
+    "router_drain_timeout",
     "demand_window",
 )
 

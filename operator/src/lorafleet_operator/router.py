@@ -24,6 +24,7 @@ import asyncio
 import contextvars
 import json
 import logging
+import signal
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -169,6 +170,7 @@ class Router:
         self.unavailable_wait = unavailable_wait
         self.demand = demand or DemandTracker()
         self.inflight: defaultdict[str, int] = defaultdict(int)
+        self.draining = False  # SIGTERM received: /ready fails so Services stop sending here (`serve`)
         self._session: aiohttp.ClientSession | None = None
         table.on_endpoint_gone = self._endpoint_gone
 
@@ -185,6 +187,7 @@ class Router:
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
                 web.get("/healthz", self.health),
+                web.get("/ready", self.ready),
                 web.get("/metrics", self.metrics),
                 web.get("/demand", self.demand_report),
                 web.post("/v1/{path:.*}", self.proxy),
@@ -207,6 +210,12 @@ class Router:
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def ready(self, _request: web.Request) -> web.Response:
+        """Readiness: 503 while draining after SIGTERM (the process still serves meanwhile)."""
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        return web.json_response({"status": "ready"})
 
     async def metrics(self, _request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -277,19 +286,24 @@ class Router:
 
         failed = model is not None and model.status.get("phase") == "Failed"
         deadline = time.monotonic() + (0 if failed else self.unavailable_wait)
+        attempts, pause = 0, 0.2
         while True:
             endpoint = self.choose(endpoints, tried)
             if endpoint is None:
-                # every holder failed or none is ready (e.g. re-placement after its pods went away):
-                # wait a little for the operator to load it elsewhere instead of failing at once
+                # every holder failed or none is ready (e.g. re-placement after its pods went away): wait a
+                # little, with backoff, for the operator to load it elsewhere or for a holder that failed a
+                # moment ago (restarting, still loading the adapter) to answer, instead of failing at once
                 if time.monotonic() >= deadline:
                     break
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(2 * pause, 1.0)
                 fresh = self.table.resolve(name)
                 endpoints = fresh[1] if fresh else []
+                tried.clear()  # every holder, the ones tried included, gets another try
                 continue
             tried.add(endpoint)
-            if len(tried) > 1:
+            attempts += 1
+            if attempts > 1:
                 metrics.ROUTER_RETRIES.inc()
             self.inflight[endpoint] += 1
             metrics.ROUTER_INFLIGHT.inc()
@@ -380,14 +394,51 @@ async def run_router(settings: Settings) -> None:
     demand = DemandTracker(settings.demand_window)
     policy = make_policy(settings.router_policy, balance=settings.router_balance, min_match=settings.router_min_match)
     router = Router(table, settings.router_timeout, settings.router_unavailable_wait, demand, policy)
-    runner = web.AppRunner(router.app())
-    await runner.setup()
-    await web.TCPSite(runner, settings.bind_host, settings.router_port).start()
-    log.info("router listening on %s:%d", settings.bind_host, settings.router_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    watching = asyncio.gather(*tasks)
     try:
-        await asyncio.gather(*tasks)
+        await serve(router, settings.bind_host, settings.router_port, stop, settings.router_drain_delay,
+                    settings.router_drain_timeout, until=watching)  # fmt: skip
     finally:
-        for task in tasks:
-            task.cancel()
-        await runner.cleanup()
+        loop.remove_signal_handler(signal.SIGTERM)
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
         await kube.close()
+
+
+async def serve(
+    router: Router,
+    host: str,
+    port: int,
+    stop: asyncio.Event,
+    drain_delay: float,
+    drain_timeout: float,
+    until: asyncio.Future[Any] | None = None,
+) -> None:
+    """Serve `router` until `stop` is set (SIGTERM), then drain the way a Kubernetes rollout needs it: /ready
+    answers 503 for `drain_delay` s while requests are still served (endpoints and kube-proxy take that long to
+    stop sending new ones here), then the listener closes and requests in flight get up to `drain_timeout` s
+    to finish. Streams longer than that are cut at the end, as a SIGKILL after the grace period would.
+    `until` (the watches) ending first ends serving too, with its error."""
+    runner = web.AppRunner(router.app(), shutdown_timeout=drain_timeout)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    log.info("router listening on %s:%d", host, port)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        waiting: set[asyncio.Future[Any]] = {stopped} if until is None else {stopped, until}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if until is not None and until.done() and not stopped.done():
+            until.result()  # the watches failed: raise their error
+            return
+        router.draining = True
+        log.info("SIGTERM: not ready from now on; serving %.0f s more, then in-flight requests get %.0f s",
+                 drain_delay, drain_timeout)  # fmt: skip
+        await asyncio.sleep(drain_delay)
+        log.info("closing the listener; waiting for %d in-flight request(s)", sum(router.inflight.values()))
+    finally:
+        stopped.cancel()
+        await runner.cleanup()
+    log.info("router drained")

@@ -118,6 +118,14 @@ class Settings:
     router_min_match: float = _opt(
         0.5, "LORAFLEET_ROUTER_MIN_MATCH", "router (cache-aware): least fraction of a prompt seen on a pod to prefer it"
     )
+    router_drain_delay: float = _opt(
+        5.0,
+        "LORAFLEET_ROUTER_DRAIN_DELAY",
+        "router: seconds it keeps serving after SIGTERM with /ready failing, so Services stop sending to it",
+    )
+    router_drain_timeout: float = _opt(
+        20.0, "LORAFLEET_ROUTER_DRAIN_TIMEOUT", "router: then, seconds requests in flight get to finish before it exits"
+    )
     demand_window: float = _opt(
         30.0, "LORAFLEET_DEMAND_WINDOW", "router: seconds over which per-adapter demand (GET /demand) is averaged"
     )

@@ -267,8 +267,9 @@ def lora_small(
 ) -> None:
     """out[rows[p], slice s] += scalings[slot, s] · x[rows[p]] · A[slot, s, :r]ᵀ · B[slot, slice s, :r]ᵀ for each
     segment (slot, start, end) of `segs` (int64 [S, 3]), p in [start, end), slice s of rank r = ranks[slot, s] > 0.
-    `ranks` / `scalings` are host tensors; x, out, A, B one dtype (float32 or bfloat16)."""
-    mod = _module()
+    `ranks` / `scalings` are host tensors; x, out, A, B one dtype (float32 or bfloat16). The caller has
+    checked `available()` (the backend does, once, when it picks this path): no switch is read per call."""
+    mod = native_ops.built(EXTENSION)
     assert mod is not None, "check available() first"
     mod.lora_small(x, out, A, B, ranks, scalings, list(offsets), rows, segs)
 

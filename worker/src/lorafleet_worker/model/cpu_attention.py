@@ -22,11 +22,14 @@ once, at first use).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
 from lorafleet_worker import native_ops
+
+if TYPE_CHECKING:
+    from lorafleet_worker.model.forward_batch import ForwardBatch
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -447,13 +450,78 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
   }
   return out;
 }
+
+// In place on x [T, heads, D] (unit stride in D): each head's RMSNorm with weight w [D] (Qwen3's q_norm /
+// k_norm), rounded as `rms_norm_impl` rounds.
+template <typename T>
+static void head_rms_norm_impl(at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t rows = x.size(0), heads = x.size(1), D = x.size(2), s0 = x.stride(0), s1 = x.stride(1);
+  T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = xp + r * s0 + h * s1;
+      float ss = 0.f;
+      for (int64_t i = 0; i < D; ++i) ss += widen(v[i]) * widen(v[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+      for (int64_t i = 0; i < D; ++i) v[i] = narrow_to<T>(widen(wp[i]) * widen(narrow_to<T>(widen(v[i]) * inv)));
+    }
+  }
+}
+
+// The attention of a decode-only step in one call, from the qkv projection's output [T, (H + 2 KVH) D]: the
+// optional per-head q/k RMSNorm and RoPE in place on its q and k columns, k and v written into the caches
+// at `slot_mapping`, then paged decode attention (one query per sequence). Returns [T, H * D]. The same
+// arithmetic as the separate ops (`rope_`, the cache writes, `paged_decode`) in one call instead of a dozen.
+at::Tensor decode_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, c10::optional<at::Tensor> q_norm,
+                            c10::optional<at::Tensor> k_norm, double eps, at::Tensor k_cache, at::Tensor v_cache,
+                            at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
+                            int64_t num_heads, double scale, int64_t window) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "decode_attention shapes");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && qkv.scalar_type() == v_cache.scalar_type(), "dtypes");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == qkv.size(0), "one slot per row");
+  const int64_t T = qkv.size(0), KVH = k_cache.size(2), D = k_cache.size(3), H = num_heads;
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv width is (heads + 2 kv heads) x head dim");
+  auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
+  auto k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
+  const bool bf16 = qkv.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || qkv.scalar_type() == at::kFloat, "float32 or bfloat16 only");
+  if (q_norm.has_value() != k_norm.has_value()) TORCH_CHECK(false, "q_norm and k_norm together");
+  if (q_norm) {
+    TORCH_CHECK(q_norm->is_contiguous() && k_norm->is_contiguous() && q_norm->size(0) == D, "q/k norm weights");
+    TORCH_CHECK(q_norm->scalar_type() == qkv.scalar_type() && k_norm->scalar_type() == qkv.scalar_type(), "dtypes");
+    if (bf16) {
+      head_rms_norm_impl<at::BFloat16>(q, *q_norm, eps);
+      head_rms_norm_impl<at::BFloat16>(k, *k_norm, eps);
+    } else {
+      head_rms_norm_impl<float>(q, *q_norm, eps);
+      head_rms_norm_impl<float>(k, *k_norm, eps);
+    }
+  }
+  rope_(q, cos, sin);
+  rope_(k, cos, sin);
+  const int64_t elem = static_cast<int64_t>(qkv.element_size()), row = KVH * D * elem;
+  const int64_t slots = k_cache.size(0) * k_cache.size(1), rs = qkv.stride(0) * elem;
+  const int64_t* sm = slot_mapping.contiguous().data_ptr<int64_t>();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* base = static_cast<const char*>(qkv.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sm[t] >= 0 && sm[t] < slots, "slot out of range");
+    std::memcpy(kc + sm[t] * row, base + t * rs + H * D * elem, row);
+    std::memcpy(vc + sm[t] * row, base + t * rs + (H + KVH) * D * elem, row);
+  }
+  return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window).view({T, H * D});
+}
 """
 
-EXT_NAME = "lorafleet_cpu_ops_v8"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+EXT_NAME = "lorafleet_cpu_ops_v9"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
 EXTENSION = native_ops.Extension(
     name=EXT_NAME,
     source=_SOURCE,
-    functions=("paged_decode", "rms_norm", "add_rms_norm_", "silu_mul", "rope_"),
+    functions=("paged_decode", "decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_"),
     switch="LORAFLEET_CPU_ATTENTION",
     what="CPU C++ ops",
     fallback="decode attention and small ops use torch",
@@ -483,6 +551,32 @@ def paged_decode(
     mod = _module()
     assert mod is not None, "check available() first"
     out: Tensor = mod.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, float(scale), int(window or 0))
+    return out
+
+
+def decode_attention(
+    qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    q_norm: Tensor | None,
+    k_norm: Tensor | None,
+    eps: float,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    batch: ForwardBatch,
+    num_heads: int,
+    scale: float,
+    window: int | None,
+) -> Tensor:
+    """A decode-only step's attention from the qkv projection [T, (H + 2 KVH) D], one op: per-head q/k RMSNorm
+    (when given), RoPE on q and k in place, k/v into the caches at `batch.slot_mapping`, paged decode.
+    Returns [T, H * D]; the same arithmetic as `rope_`, the cache writes and `paged_decode`."""
+    mod = _module()
+    assert mod is not None, "check available() first"
+    out: Tensor = mod.decode_attention(
+        qkv, cos, sin, q_norm, k_norm, float(eps), k_cache, v_cache, batch.slot_mapping,
+        batch.decode_block_tables, batch.decode_seq_lens, int(num_heads), float(scale), int(window or 0),
+    )  # fmt: skip
     return out
 
 
@@ -521,6 +615,7 @@ __all__ = [
     "EXTENSION",
     "add_rms_norm_",
     "available",
+    "decode_attention",
     "paged_decode",
     "rms_norm",
     "rope_",

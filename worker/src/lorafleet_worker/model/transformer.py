@@ -93,22 +93,17 @@ class DecoderLayer(nn.Module):
         fused = _fused_ops(h)
         x = cpu_attention.rms_norm(h, self.attn_norm.weight, self.attn_norm.eps) if fused else self.attn_norm(h)
         qkv = self._proj(x, self.qkv_w, self.qkv_b, "qkv", lora)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if fused:  # in place on the views of qkv
-            cpu_attention.rope_(q, cos, sin)
-            cpu_attention.rope_(k, cos, sin)
+        if fused and attn_backend == "cpu" and batch.num_decode == t:  # decode only: the attention in one op
+            qn, kn = self.q_norm, self.k_norm
+            attn = cpu_attention.decode_attention(
+                qkv, cos, sin, None if qn is None else qn.weight, None if kn is None else kn.weight,
+                0.0 if qn is None else qn.eps, kv.k_caches[self.idx], kv.v_caches[self.idx], batch,
+                self.num_heads, self.scale, self.window,
+            )  # fmt: skip
         else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn = paged_attention(
-            q, k, v, kv.k_caches[self.idx], kv.v_caches[self.idx], batch, self.scale, attn_backend, self.window
-        )
-        o = self._proj(attn.reshape(t, self.q_size), self.o_w, self.o_b, "o", lora)
+            attn = self._attention(qkv, cos, sin, batch, kv, attn_backend, fused).reshape(t, self.q_size)
+        o = self._proj(attn, self.o_w, self.o_b, "o", lora)
         if fused:
             x = cpu_attention.add_rms_norm_(h, o, self.mlp_norm.weight, self.mlp_norm.eps)  # h += o
         else:
@@ -121,6 +116,26 @@ class DecoderLayer(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
         return h + self._proj(act, self.down_w, self.down_b, "down", lora)
+
+    def _attention(
+        self, qkv: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, kv: PagedKVCache, backend: str, fused: bool
+    ) -> Tensor:
+        """Attention from the qkv projection, op by op (prefill chunks, mixed steps, the torch / triton backends)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = qkv.shape[0]
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if fused:  # in place on the views of qkv
+            cpu_attention.rope_(q, cos, sin)
+            cpu_attention.rope_(k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return paged_attention(
+            q, k, v, kv.k_caches[self.idx], kv.v_caches[self.idx], batch, self.scale, backend, self.window
+        )
 
 
 def _fused_ops(h: Tensor) -> bool:
