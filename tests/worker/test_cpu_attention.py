@@ -120,7 +120,9 @@ def test_large_score_range_stays_finite() -> None:
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_decode_attention_is_the_ops_it_fuses(dtype: torch.dtype, tol: float, window: int | None, qk_norm: bool) -> None:
+def test_decode_attention_is_the_ops_it_fuses(
+    dtype: torch.dtype, tol: float, window: int | None, qk_norm: bool
+) -> None:
     """`decode_attention` on a qkv projection = per-head q/k RMSNorm, RoPE, the cache writes and the decode
     attention done op by op with torch (RMSNorm module, apply_rope, index_copy_, gather + masked SDPA)."""
     from lorafleet_worker.model.rope import apply_rope
