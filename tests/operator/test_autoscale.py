@@ -357,14 +357,14 @@ def test_balance_settings_are_validated(mgmt_workers: list[MgmtWorker]) -> None:
 async def test_autoscale_pass_requeues_what_a_placement_left_above_the_bound() -> None:
     scaler = Autoscaler()
     shed, other = lora("org/shed-me"), lora("org/stays")
-    scaler.revisit.add((shed.base_model_name, shed.model_name))
+    scaler.place_again(shed.base_model_name, [shed.model_name])
     queued: list[tuple[str, str]] = []
 
     async def nothing() -> None:
         return None
 
     await autoscale_pass(scaler, [(shed.key, shed), (other.key, other)], nothing, queued.append)
-    assert queued == [shed.key] and not scaler.revisit  # once: the set is drained
+    assert queued == [shed.key] and not scaler.take_revisits()  # once: the set is drained
     assert scaler.weights(shed.base_model_name) is None  # no poll answered: equal weights
     await autoscale_pass(scaler, [(shed.key, shed), (other.key, other)], nothing, queued.append)
     assert queued == [shed.key]

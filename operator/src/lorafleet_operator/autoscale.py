@@ -17,7 +17,7 @@ default, by demand-weighted bounded loads (``placement.place_balanced``, weighte
 this module keeps from the last poll: ``Autoscaler.weights``), so growing adds the next pods of
 that order below the balance bound and shrinking drops the last ones; leavers are unloaded only
 after the shrunk placement is published (make-before-break, ``reconcile._unload_leavers``).
-Adapters a placement left on a pod above the bound (``Autoscaler.revisit``) are re-queued by the
+Adapters a placement left on a pod above the bound (``Autoscaler.place_again``) are re-queued by the
 next poll.
 
 ``Autoscaler`` keeps the per-model state (wanted count, time of the last change) and is what the
@@ -134,7 +134,16 @@ class Autoscaler:
         self.clock = clock
         self._state: dict[str, _State] = {}  # model uid -> state
         self._demand: dict[str, dict[str, float]] | None = None  # base model -> modelName -> demand (last poll)
-        self.revisit: set[tuple[str, str]] = set()  # (base model, modelName): to place again (placement.relief)
+        self._revisit: set[tuple[str, str]] = set()  # (base model, modelName): to place again (placement.relief)
+
+    def place_again(self, base_model: str, model_names: Iterable[str]) -> None:
+        """Ask the next poll to re-queue these adapters (a placement left them on pods above the bound)."""
+        self._revisit.update((base_model, n) for n in model_names)
+
+    def take_revisits(self) -> set[tuple[str, str]]:
+        """The (base model, modelName) pairs asked for since the last call; the set is emptied."""
+        revisit, self._revisit = self._revisit, set()
+        return revisit
 
     def note_demand(self, models: Iterable[tuple[tuple[str, str], Model]], demand: Demand) -> None:
         """Keep every adapter's demand from the last poll (the balance weights of its base model's pods)."""
@@ -228,12 +237,12 @@ async def autoscale_pass(
     enqueue: Callable[[tuple[str, str]], None],
 ) -> list[tuple[str, str]]:
     """One poll: apply the policy to every autoscaled model, re-queue those whose count (or reason)
-    changed, and those a placement asked to place again (``Autoscaler.revisit``: adapters on pods
+    changed, and those a placement asked to place again (``Autoscaler.place_again``: adapters on pods
     above the balance bound). Keeps the demand as the balance weights (``Autoscaler.weights``).
 
     When no router answered, nothing changes (no demand data is not zero demand)."""
     models = list(models)
-    revisit, autoscaler.revisit = autoscaler.revisit, set()
+    revisit = autoscaler.take_revisits()
     for key, model in models:
         if (model.base_model_name, model.model_name) in revisit and model.is_lora and not model.deleting:
             enqueue(key)

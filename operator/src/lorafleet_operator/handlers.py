@@ -42,8 +42,7 @@ from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL
 
 from lorafleet_operator import metrics
 from lorafleet_operator import status as st
-from lorafleet_operator.autoscale import RouterDemand, autoscale_pass
-from lorafleet_operator.drift import drift_pass
+from lorafleet_operator.autoscale import RouterDemand
 from lorafleet_operator.finalizers import FINALIZER, GROUP, PLURAL, VERSION, Finalizers
 from lorafleet_operator.index import Key, ModelIndex, key_of
 from lorafleet_operator.inventory import WorkerInventory
@@ -154,9 +153,7 @@ class Runtime:
 
     def on_job(self, body: Mapping[str, Any], kind: str | None = None) -> None:
         meta = body.get("metadata") or {}
-        observe = getattr(self.reconciler.sync, "observe", None)
-        if observe is not None:
-            observe(body, deleted=kind == "DELETED")  # the Job cache: no GET per pass
+        self.reconciler.observe_job(body, deleted=kind == "DELETED")
         for owner in meta.get("ownerReferences") or []:
             if owner.get("kind") == "DynamoModel":
                 key = (meta.get("namespace", ""), owner.get("name", ""))
@@ -187,7 +184,7 @@ class Runtime:
                 await task
         await self.finalizers.stop()
         self._tasks = []
-        await self.reconciler.client.close()
+        await self.reconciler.close()
 
     async def _write_claims(self) -> None:
         """Write the names of newly seen LoRA DynamoModels into the ledger in bulk (write-ahead of
@@ -199,7 +196,7 @@ class Runtime:
             claims, self._claims = self._claims, defaultdict(set)
             for (namespace, base_hash), names in claims.items():
                 try:
-                    await self.reconciler.ledger.claim_many(namespace, base_hash, names)
+                    await self.reconciler.claim_names(namespace, base_hash, names)
                 except Exception:
                     log.exception("writing %d adapter names to the ledger failed (each first load claims its own)",
                                   len(names))  # fmt: skip
@@ -218,7 +215,7 @@ class Runtime:
             while True:
                 await asyncio.sleep(self.settings.autoscale_interval)
                 try:
-                    await autoscale_pass(self.reconciler.autoscaler, list(self.index.items()), demand, self.queue.add)
+                    await self.reconciler.autoscale(list(self.index.items()), demand, self.queue.add)
                 except Exception:
                     log.exception("autoscale pass failed")
         finally:
@@ -226,7 +223,7 @@ class Runtime:
 
     async def drift(self) -> None:
         """One drift pass over every Ready worker pod (see ``drift.drift_pass``)."""
-        await drift_pass(self.inventory, self.reconciler.ledger, self.index.owners(), self.queue.add, self.wanted)
+        await self.reconciler.drift(self.index.owners(), self.queue.add, self.wanted)
 
     async def _work(self) -> None:
         while True:

@@ -19,7 +19,7 @@ One pass:
    (``Autoscaler.weights``; equal weights before any demand is known), replicas stay where they are
    unless their pod is above ``(1 + epsilon) x`` the mean and they are among its largest movable
    shares, new ones go along the HRW order to pods below the entry level; adapters left on a pod
-   above the bound are re-queued by the next demand poll (``Autoscaler.revisit``). Adapters that
+   above the bound are re-queued by the next demand poll (``Autoscaler.place_again``). Adapters that
    do not fit (or get a worker's 507) show ``InsufficientCapacity`` and are retried with backoff.
 4. load the target on every placed pod whose ``GET /v1/loras`` lacks the adapter or that holds
    another URI (hot swap); listings are cached per pod for ``listing_ttl`` (the drift pass
@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,7 +48,8 @@ from lorafleet_sync.uris import HfURI, URIError, is_commit_sha, parse_uri
 
 from lorafleet_operator import metrics
 from lorafleet_operator import status as st
-from lorafleet_operator.autoscale import LIMITED_BY_CAPACITY, Autoscaler, Decision
+from lorafleet_operator.autoscale import LIMITED_BY_CAPACITY, Autoscaler, Decision, DemandSource, autoscale_pass
+from lorafleet_operator.drift import drift_pass
 from lorafleet_operator.inventory import WorkerInventory
 from lorafleet_operator.ledger import Ledger, MemoryLedger
 from lorafleet_operator.placement import DEFAULT_EPSILON, Loads, place_balanced, place_within, relief
@@ -153,6 +154,38 @@ class Reconciler:
         self.progress_after = progress_after  # a first load publishes "Loading" only once it takes this long
         self._invalid: dict[str, tuple[str, str]] = {}  # model uid -> (URI, worker message)
         self._settled: dict[str, tuple[tuple[str, ...], float]] = {}  # model uid -> (placement, first seen)
+
+    # ---- what the runtime's loops ask of the pieces the reconciler holds (so none reaches through it) ----
+    def observe_job(self, body: Mapping[str, Any], *, deleted: bool) -> None:
+        """A sync Job's watch event, into the sync backend's Job cache (no GET per pass)."""
+        observe = getattr(self.sync, "observe", None)
+        if observe is not None:
+            observe(body, deleted=deleted)
+
+    async def claim_names(self, namespace: str, base_hash: str, names: Iterable[str]) -> None:
+        """Write adapter names into the ledger in one go (write-ahead of their first loads)."""
+        await self.ledger.claim_many(namespace, base_hash, names)
+
+    async def autoscale(
+        self,
+        models: Iterable[tuple[tuple[str, str], Model]],
+        demand: DemandSource,
+        requeue: Callable[[tuple[str, str]], None],
+    ) -> None:
+        """One poll of the routers' demand (``autoscale.autoscale_pass``) with this reconciler's autoscaler."""
+        await autoscale_pass(self.autoscaler, models, demand, requeue)
+
+    async def drift(
+        self,
+        owners: Iterable[tuple[tuple[str, str], Model]],
+        requeue: Callable[[tuple[str, str]], None],
+        wanted: Callable[[str, str, str], bool],
+    ) -> None:
+        """One drift pass (``drift.drift_pass``) over the inventory this reconciler updates."""
+        await drift_pass(self.inventory, self.ledger, owners, requeue, wanted)
+
+    async def close(self) -> None:
+        await self.client.close()
 
     def forget_model(self, model: Model, *, keep_loaded: bool = False) -> None:
         """Forget a deleted model (``keep_loaded``: its adapter stays, a successor owns the name)."""
@@ -492,7 +525,7 @@ class Reconciler:
         chosen = place_balanced(model_name, by_name, replicas, current, loads, fits, self.balance_epsilon)
         if chosen != current:  # pods it joined may now be above the bound: their movable shares go again
             loads.set(model_name, chosen)
-            self.autoscaler.revisit.update((model.base_model_name, n) for n in relief(by_name, loads, fits))
+            self.autoscaler.place_again(model.base_model_name, relief(by_name, loads, fits))
         return [by_name[n] for n in chosen]
 
     def _count_churn(self, model: Model, placement: list[str]) -> None:
