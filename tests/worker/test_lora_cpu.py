@@ -87,7 +87,7 @@ def test_matches_dense_reference(pool_and_adapters, path: str, group: str, layou
 @pytest.mark.parametrize("bf16_units", [True, False], ids=["bf16-matmul", "no-bf16-matmul"])
 def test_bfloat16(pool_and_adapters, path: str, layout: str, bf16_units: bool, monkeypatch) -> None:
     """Without bfloat16 matmul units the kernel takes the large segments too (no per-adapter matmul)."""
-    monkeypatch.setattr(backend_mod, "_fast_bf16_matmul", lambda: bf16_units)
+    monkeypatch.setattr(backend_mod, "cpu_bf16_flag", lambda: "avx512_bf16" if bf16_units else None)
     per_adapter = []
     original = TorchLoRABackend._per_adapter
     monkeypatch.setattr(TorchLoRABackend, "_per_adapter", lambda self, *a: per_adapter.append(1) or original(self, *a))

@@ -152,9 +152,9 @@ class TorchLoRABackend:
             and x.dtype in (torch.float32, torch.bfloat16)
             and out.stride(-1) == 1
         )
-        if kernel and plan.large and x.dtype == torch.bfloat16 and not _fast_bf16_matmul():
-            # without bfloat16 matmul units torch's bf16 mm / addmm_ ran ~10x slower than the kernel
-            # (prefill with an adapter, bench/README.md): every segment goes to the kernel
+        if kernel and plan.large and x.dtype == torch.bfloat16 and cpu_bf16_flag() is None:
+            # without bfloat16 matmul units (AMX / AVX512-BF16; the flag is cached) torch's bf16 mm / addmm_ ran
+            # ~10x slower than the kernel (prefill with an adapter, bench/README.md): every segment goes to it
             if plan.all_grouped is None:
                 plan.all_grouped = make_plan(batch, batch.num_tokens)
             plan = plan.all_grouped
@@ -212,11 +212,6 @@ class TorchLoRABackend:
             if r:
                 shrunk = torch.mm(x, a_slot[s, :r].t())
                 out[:, offs[s] : offs[s + 1]].addmm_(shrunk, b_slot[offs[s] : offs[s + 1], :r].t(), alpha=scaling)
-
-
-def _fast_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AMX / AVX512-BF16: `devices.cpu_bf16_flag`, cached)."""
-    return cpu_bf16_flag() is not None
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
