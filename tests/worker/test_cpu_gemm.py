@@ -34,6 +34,8 @@ def test_panel_linear_matches_f_linear(weight: str, act: torch.dtype, rows: int)
     tol = 1e-5 if act == torch.float32 else 1e-2  # bf16: the output's rounding
     assert (got.float() - ref).abs().max().item() <= tol * ref.abs().max().item()
     assert torch.allclose(packed.to_dense().float(), dense)
+    assert torch.equal(packed.matmul_2d(x, bias.to(act)), got)  # the decoder layer's direct call: the same op
+    assert torch.equal(packed.matmul_2d(x, None), packed.matmul(x))
 
 
 def test_leading_dimensions_strides_and_bad_weights() -> None:

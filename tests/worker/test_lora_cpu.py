@@ -177,3 +177,49 @@ def test_env_selects_the_torch_path(monkeypatch) -> None:
     monkeypatch.delenv(cpu_lora.ENV)
     if cpu_lora.available():
         assert get_backend("torch").grouped == "cpp"  # type: ignore[attr-defined]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["decode", "one-token", "base-only", "prefill+decode"])
+def test_step_runner_matches_apply(pool_and_adapters, dtype: torch.dtype, layout: str) -> None:
+    """The decode fast path (`step_runner`, through `LoRAContext`) gives `apply`'s result bit for bit on every
+    layer and group; a step with a prefill segment, or no adapter, gets no runner (`apply` serves it)."""
+    from lorafleet_worker.model.forward_batch import LoRAContext
+
+    _, adapters = pool_and_adapters
+    pool = LoRAPool(CONFIG, num_slots=5, max_rank=MAX_RANK, dtype=dtype)
+    for slot, adapter in adapters.items():
+        pool.write_slot(slot, adapter)
+    backend = backend_for("cpp")
+    info = backend.prepare(torch.tensor(LAYOUTS[layout], dtype=torch.int32))
+    ctx = LoRAContext(backend, pool, info)
+    assert (ctx.run is not None) == (layout in ("decode", "one-token"))
+    gen = torch.Generator().manual_seed(7)
+    for layer in range(CONFIG.num_hidden_layers):
+        for group, shape in group_shapes(CONFIG).items():
+            x = torch.randn(info.num_tokens, shape.in_dim, generator=gen).to(dtype)
+            base = torch.randn(info.num_tokens, shape.slice_offsets[-1], generator=gen).to(dtype)
+            got, want = base.clone(), base.clone()
+            ctx.apply(layer, group, x, got)
+            backend.apply(x, want, pool.weights(layer, group), info)
+            assert torch.equal(got, want), (layer, group)
+            strided = torch.randn(info.num_tokens, 2 * shape.in_dim, generator=gen).to(dtype)[:, ::2]
+            got, want = base.clone(), base.clone()  # rows the kernel does not take as they are go through apply
+            ctx.apply(layer, group, strided, got)
+            backend.apply(strided, want, pool.weights(layer, group), info)
+            assert torch.equal(got, want), (layer, group)
+
+
+@needs_kernel
+def test_step_runner_steps_aside_for_a_wrapped_apply(pool_and_adapters) -> None:
+    """A benchmark that wraps the backend's `apply` (roofline.py's timer) sees every call: no runner then."""
+    pool, _ = pool_and_adapters
+    backend = backend_for("cpp")
+    info = backend.prepare(torch.tensor(LAYOUTS["decode"], dtype=torch.int32))
+    assert backend.step_runner(pool, info) is not None
+    calls = []
+    original = backend.apply
+    backend.apply = lambda *a: calls.append(1) or original(*a)  # type: ignore[method-assign]
+    assert backend.step_runner(pool, info) is None
+    assert backend_for("torch").step_runner(pool, info) is None

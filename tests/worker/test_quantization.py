@@ -44,6 +44,12 @@ def test_matmul_is_x_times_the_dequantized_weight(method: str, dtype: torch.dtyp
     assert got.dtype == dtype and got.shape == (rows, 96)
     assert (got.float() - ref).abs().max().item() < tol * ref.abs().max().item()
     assert qw.matmul(x.reshape(rows, 1, 128)).shape == (rows, 1, 96)  # leading dimensions kept
+    if qw.panels:  # the decoder layer's direct call (int8 in panels): the same op, a bias added in x's dtype
+        assert qw.matmul_2d is not None
+        bias = torch.randn(96).to(dtype)
+        assert torch.equal(qw.matmul_2d(x, None), got) and torch.equal(qw.matmul_2d(x, bias), got + bias)
+    else:
+        assert qw.matmul_2d is None
 
 
 @pytest.mark.parametrize("method", quantization.METHODS)

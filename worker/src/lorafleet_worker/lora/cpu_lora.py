@@ -274,4 +274,12 @@ def lora_small(
     mod.lora_small(x, out, A, B, ranks, scalings, list(offsets), rows, segs)
 
 
-__all__ = ["ENV", "EXTENSION", "available", "lora_small"]
+def kernel() -> Any:
+    """The built op itself, `lora_small`'s arguments with `offsets` a list (for a caller that checked
+    `available()` and calls it many times a step)."""
+    mod = native_ops.built(EXTENSION)
+    assert mod is not None, "check available() first"
+    return mod.lora_small
+
+
+__all__ = ["ENV", "EXTENSION", "available", "kernel", "lora_small"]

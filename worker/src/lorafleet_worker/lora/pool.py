@@ -8,6 +8,9 @@ from ..config import ModelConfig
 from .adapter import LoRAAdapter, group_shapes
 from .backend import LoRAProjWeights
 
+# what the CPU kernel reads of one (layer, group): A, B, host ranks, host scalings, slice offsets, slot flags
+KernelArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[bool]]
+
 
 class LoRAPool:
     """`num_slots` GPU slots; slot i of every (layer, group) buffer holds one adapter's weights.
@@ -38,6 +41,7 @@ class LoRAPool:
         self.dtype = dtype
         self.rank_major_b = self.device.type == "cpu" if rank_major_b is None else rank_major_b
         self._weights: dict[tuple[int, str], LoRAProjWeights] = {}
+        self._kernel_table: dict[tuple[int, str], KernelArgs] | None = None
         for layer in range(config.num_hidden_layers):
             for group, shape in group_shapes(config).items():
                 n, out_total = len(shape.slice_widths), shape.slice_offsets[-1]
@@ -58,6 +62,18 @@ class LoRAPool:
 
     def weights(self, layer: int, group: str) -> LoRAProjWeights:
         return self._weights[(layer, group)]
+
+    def kernel_table(self) -> dict[tuple[int, str], KernelArgs]:
+        """(layer, group) -> what the CPU kernel reads of it (`cpu_lora.kernel`): A, B, the host ranks and
+        scalings, the slice offsets as a list, and the per-slot "adapts this group" flags. Built once: these
+        are the pool's own tensors and list, which `write_slot` updates in place."""
+        if self._kernel_table is None:
+            table = {}
+            for key, w in self._weights.items():
+                assert w.ranks_cpu is not None and w.scalings_cpu is not None and w.slot_adapted is not None
+                table[key] = (w.A, w.B, w.ranks_cpu, w.scalings_cpu, list(w.slice_offsets), w.slot_adapted)
+            self._kernel_table = table
+        return self._kernel_table
 
     @property
     def nbytes(self) -> int:

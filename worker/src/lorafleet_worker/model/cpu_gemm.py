@@ -23,6 +23,7 @@ else compiled at first use with -march=native, else none (`available()` False; `
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,6 +271,13 @@ def available() -> bool:
     return _module() is not None
 
 
+def kernel() -> Any:
+    """The op itself: panel_linear(x [M, K], panels, out_features, scales or None, bias or None)."""
+    mod = _module()
+    assert mod is not None, "check available() first"
+    return mod.panel_linear
+
+
 @dataclass(frozen=True)
 class PanelWeight:
     """A [out_features, in_features] weight in panels (float32, bfloat16, or int8 with float32 `scales`)."""
@@ -281,6 +289,18 @@ class PanelWeight:
     def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x @ w.T (+ bias) for x [..., in] in float32 or bfloat16; the result in x's dtype."""
         return linear(x, self.panels, self.out_features, self.scales, bias)
+
+    @functools.cached_property
+    def matmul_2d(self) -> Callable[[Tensor, Tensor | None], Tensor]:
+        """`matmul` for a 2-D x, the op called directly (the decoder layer's projections: 121 calls a step)."""
+        op = kernel()
+        panels, n, scales = self.panels, self.out_features, self.scales
+
+        def run(x: Tensor, bias: Tensor | None) -> Tensor:
+            out: Tensor = op(x, panels, n, scales, bias)
+            return out
+
+        return run
 
     def to_dense(self) -> Tensor:
         """The weight [out, in] (int8: dequantized to float32)."""

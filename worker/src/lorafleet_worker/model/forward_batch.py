@@ -6,7 +6,7 @@ chunks. `batch_builder.py` builds it from the scheduler's plan; the model only r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -70,6 +70,14 @@ class LoRAContext:
     backend: Any  # lora.backend.LoRABackend
     pool: Any  # lora.pool.LoRAPool, pool.weights(layer, group) -> LoRAProjWeights
     batch: Any  # lora.batch.LoRABatchInfo
+    run: Any = field(init=False, default=None)  # the backend's fast path for this step (`step_runner`), or None
+
+    def __post_init__(self) -> None:
+        make = getattr(self.backend, "step_runner", None)
+        self.run = make(self.pool, self.batch) if make is not None else None
 
     def apply(self, layer: int, group: str, x: Tensor, out: Tensor) -> None:
-        self.backend.apply(x, out, self.pool.weights(layer, group), self.batch)
+        if self.run is not None:
+            self.run(layer, group, x, out)
+        else:
+            self.backend.apply(x, out, self.pool.weights(layer, group), self.batch)

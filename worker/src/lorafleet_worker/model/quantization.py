@@ -17,6 +17,8 @@ dequantized weight, which is what the tests compare with transformers + PEFT.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +40,21 @@ class QuantizedWeight:
     shape: tuple[int, int]
     dtype: torch.dtype  # the activations' (and the dense weight's) dtype
     panels: bool = False  # int8 in the panel kernel's layout (CPU)
+
+    @functools.cached_property
+    def matmul_2d(self) -> Callable[[Tensor, Tensor | None], Tensor] | None:
+        """x @ w.T (+ bias, added in x's dtype as `cpu_linear.linear` adds it) for a 2-D x, the panel op called
+        directly; None where the weight is not in panels."""
+        if not self.panels:
+            return None
+        op = cpu_gemm.kernel()
+        qweight, n, scales = self.qweight, self.shape[0], self.scales
+
+        def run(x: Tensor, bias: Tensor | None) -> Tensor:
+            out: Tensor = op(x, qweight, n, scales, None)
+            return out if bias is None else out + bias
+
+        return run
 
     def matmul(self, x: Tensor) -> Tensor:
         """x @ w.T for x [..., in] of `dtype`."""
