@@ -261,6 +261,25 @@ async def test_abort_frees_blocks_and_slot(make_engine: EngineFactory, adapter_d
     assert engine.manager.stats["slots_pinned"] == 0
 
 
+async def test_interrupt_raises_in_the_stream_and_its_end_aborts(make_engine: EngineFactory) -> None:
+    """`interrupt` (how a client disconnect reaches a waiting stream) raises at the stream's next read, after the
+    outputs already queued; the stream's end aborts the request; a request that ended ignores it."""
+
+    class Gone(Exception):
+        pass
+
+    engine = await make_engine(max_loras=0)
+    stream = engine.generate("long", PROMPTS[2], SamplingParams(max_tokens=200, ignore_eos=True))
+    assert (await anext(stream)).finish_reason is None
+    engine.interrupt("long", Gone())
+    with pytest.raises(Gone):
+        for _ in range(200):
+            assert (await anext(stream)).finish_reason is None
+    await wait_until(lambda: engine.stats.requests_aborted == 1 and engine.num_pending == 0)
+    assert engine.stats.num_running == 0 and engine.stats.kv_blocks_free == engine.stats.kv_blocks_total
+    engine.interrupt("long", Gone())  # ended: nothing to raise into
+
+
 async def test_remove_waits_for_inflight_and_refuses_new(
     make_engine: EngineFactory, reference: Reference, adapter_dir: Callable[[str, str], Path]
 ) -> None:

@@ -378,6 +378,14 @@ class Engine:
             if not req.done.is_set():
                 self.abort(req.seq.request_id)
 
+    def interrupt(self, request_id: str, exc: BaseException) -> None:
+        """Event-loop side: the request's token stream raises `exc` at its next read, after the outputs already
+        queued (closing the stream then aborts the request); no-op if the request already ended. How a client
+        disconnect reaches a stream that waits for its next token, without a second waiter per token."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            req.queue.put_nowait(exc)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already ended); its blocks and adapter pin are freed by the step loop."""
         with self._cond:

@@ -119,6 +119,7 @@ class Generation:
         self._metrics.requests_in_flight.inc()
         if self._disconnected is not None:
             self._watcher = asyncio.ensure_future(self._disconnected())
+            self._watcher.add_done_callback(self._on_disconnect)
         try:
             self._first = await self._next()
         except BaseException:
@@ -185,31 +186,24 @@ class Generation:
             elapsed,
         )
 
+    def _on_disconnect(self, watcher: asyncio.Future[Any]) -> None:
+        """The client went away: the token stream raises ClientDisconnected at its next read (`Engine.interrupt`),
+        so that `_next` awaits the stream alone (no task and no `asyncio.wait` per token)."""
+        if not watcher.cancelled() and self._it is not None:
+            self._service.engine.interrupt(self.request_id, ClientDisconnected(self.request_id))
+
     async def _next(self) -> TokenOutput | None:
         """The next engine output (None at the end); raises ClientDisconnected if the client left first."""
         assert self._it is not None
-        nxt: asyncio.Future[TokenOutput] = asyncio.ensure_future(anext(self._it))
-        if self._watcher is None:
-            waiting: set[asyncio.Future[Any]] = {nxt}
-        else:
-            waiting = {nxt, self._watcher}
         try:
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            nxt.cancel()
-            raise
-        if not nxt.done():
-            nxt.cancel()
-            with contextlib.suppress(BaseException):
-                await nxt
-            self._outcome = "abort"
-            raise ClientDisconnected(self.request_id)
-        try:
-            out = nxt.result()
+            out = await anext(self._it)
         except StopAsyncIteration:
             return None
         except EngineUnavailableError as e:
             raise _unavailable(e) from e
+        except ClientDisconnected:
+            self._outcome = "abort"
+            raise
         self._observe_latency()
         return out
 
