@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Build the pinned Go tools (kube-apiserver, kube-controller-manager, kubectl,
 # etcd, helm) from their Go modules into $LORAFLEET_CACHE/bin/<tool>-<version>.
+# The `kind` target builds what a kind node needs instead (issue 27): kind itself,
+# kubelet / kubeadm / kube-scheduler / kube-proxy, containerd, the CNI plugins and
+# CoreDNS; multi-binary modules land in a directory $BIN/<name>-<version>/.
 #
 # Each tool gets a throwaway wrapper module generated under
 # $LORAFLEET_CACHE/go-wrappers/ (replace directives only work in the main
@@ -14,7 +17,7 @@
 # `setup-envtest use -p path` leaves them). A failed step prints the last 50 lines
 # of its log and the log's path.
 #
-# Usage: tools/build-go-tools.sh [kubernetes|etcd|helm ...]   (default: all)
+# Usage: tools/build-go-tools.sh [kubernetes|etcd|helm|kind ...]   (default: kubernetes etcd helm)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -32,6 +35,9 @@ export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false
 # Module and build caches live in the lorafleet cache so CI can keep them.
 export GOMODCACHE="${GOMODCACHE_OVERRIDE:-$CACHE/go/mod}"
 export GOCACHE="${GOCACHE_OVERRIDE:-$CACHE/go/build}"
+
+DEFAULT_TAGS=selinux,notest,grpcnotrace
+BUILD_TAGS="$DEFAULT_TAGS"
 
 log() { printf '==> [go-tools] %s\n' "$*"; }
 
@@ -69,7 +75,7 @@ failed() {  # failed LOGFILE WHAT : the last 50 lines of the log and its path, t
 
 go_build() {  # go_build TOOL-LABEL WRAPPER-DIR OUTDIR LDFLAGS PKG...  (full output in WRAPPER-DIR/build.log)
   local label="$1" dir="$2" out="$3" ldflags="$4"; shift 4
-  (cd "$dir" && nice -n 10 go build -p "$JOBS" -v -trimpath -tags=selinux,notest,grpcnotrace \
+  (cd "$dir" && nice -n 10 go build -p "$JOBS" -v -trimpath -tags="$BUILD_TAGS" \
       -ldflags "-s -w $ldflags" -o "$out/" "$@" 2>&1 | tee build.log | progress "$label"; exit "${PIPESTATUS[0]}") ||
     failed "$dir/build.log" "$label build"
 }
@@ -128,15 +134,14 @@ quiet() {  # quiet LOGFILE CMD... : run CMD with output to LOGFILE; on failure i
 
 have() { [ -x "$BIN/$1" ]; }
 
-build_kubernetes() {
-  local v="$KUBERNETES_VERSION" staging="${KUBERNETES_VERSION/#v1./v0.}"
-  local tools=(kube-apiserver kube-controller-manager kubectl)
+build_kubernetes() {  # build_kubernetes WRAPPER-NAME TOOL... : the tools (k8s.io/kubernetes/cmd/TOOL) not built yet
+  local v="$KUBERNETES_VERSION" staging="${KUBERNETES_VERSION/#v1./v0.}" wrapper="$1"; shift
   local missing=() t
-  for t in "${tools[@]}"; do have "$t-$v" || missing+=("$t"); done
-  if [ ${#missing[@]} -eq 0 ]; then log "kubernetes $v: up to date"; return; fi
+  for t in "$@"; do have "$t-$v" || missing+=("$t"); done
+  if [ ${#missing[@]} -eq 0 ]; then log "kubernetes $v ($*): up to date"; return; fi
   log "kubernetes $v: building ${missing[*]} (cold: downloads ~1 GB of modules, tens of minutes)"
   check_sumdb
-  local dir; dir="$(new_wrapper "kubernetes-$v")"
+  local dir; dir="$(new_wrapper "$wrapper")"
   local info gomod commit
   info="$(cd "$dir" && go mod download -json "k8s.io/kubernetes@$v" 2>&1)" || {
     echo "$info" >"$dir/download.log"; failed "$dir/download.log" "go mod download k8s.io/kubernetes@$v"; }
@@ -195,6 +200,35 @@ build_helm() {
   BUILT=1
 }
 
+build_module() {  # build_module NAME VERSION LDFLAGS PKG... : PKG@VERSION binaries into the directory $BIN/NAME-VERSION/
+  local name="$1" v="$2" ld="$3"; shift 3
+  if [ -d "$BIN/$name-$v" ]; then log "$name $v: up to date"; return; fi
+  log "$name $v: building $*"
+  check_sumdb
+  local dir p; dir="$(new_wrapper "$name-$v")"
+  (cd "$dir" && for p in "$@"; do quiet get.log go get -tool "$p@$v"; done)
+  go_build "$name $v" "$dir" "$dir/out" "$ld" "$@"
+  mv "$dir/out" "$BIN/$name-$v"
+  BUILT=1
+}
+
+build_kind_tools() {  # everything a locally built kind node image needs (tools/kind-node.sh assembles it)
+  timed "kubernetes-node-$KUBERNETES_VERSION" build_kubernetes "kubernetes-node-$KUBERNETES_VERSION" \
+    kubelet kubeadm kube-scheduler kube-proxy
+  timed "kind-$KIND_VERSION" build_module kind "$KIND_VERSION" "" sigs.k8s.io/kind
+  local c=github.com/containerd/containerd/v2
+  BUILD_TAGS="$DEFAULT_TAGS,no_aufs,no_zfs,no_btrfs,no_devmapper"
+  timed "containerd-$CONTAINERD_VERSION" build_module containerd "$CONTAINERD_VERSION" \
+    "-X $c/version.Version=$CONTAINERD_VERSION -X $c/version.Package=$c" \
+    "$c/cmd/containerd" "$c/cmd/containerd-shim-runc-v2" "$c/cmd/ctr"
+  BUILD_TAGS="$DEFAULT_TAGS"
+  local cni=github.com/containernetworking/plugins/plugins
+  timed "cni-plugins-$CNI_PLUGINS_VERSION" build_module cni-plugins "$CNI_PLUGINS_VERSION" "" \
+    "$cni/main/ptp" "$cni/main/loopback" "$cni/ipam/host-local" "$cni/meta/portmap"
+  timed "coredns-$COREDNS_VERSION" build_module coredns "$COREDNS_VERSION" \
+    "-X github.com/coredns/coredns/coremain.GitCommit=$COREDNS_VERSION" github.com/coredns/coredns
+}
+
 main() {
   local targets=("$@")
   [ ${#targets[@]} -gt 0 ] || targets=(etcd helm kubernetes)
@@ -202,10 +236,12 @@ main() {
   local t
   for t in "${targets[@]}"; do
     case "$t" in
-      kubernetes) timed "kubernetes-$KUBERNETES_VERSION" build_kubernetes ;;
+      kubernetes) timed "kubernetes-$KUBERNETES_VERSION" build_kubernetes "kubernetes-$KUBERNETES_VERSION" \
+        kube-apiserver kube-controller-manager kubectl ;;
       etcd) timed "etcd-$ETCD_VERSION" build_etcd ;;
       helm) timed "helm-$HELM_VERSION" build_helm ;;
-      *) log "unknown tool: $t (kubernetes, etcd, helm)"; exit 2 ;;
+      kind) build_kind_tools ;;
+      *) log "unknown tool: $t (kubernetes, etcd, helm, kind)"; exit 2 ;;
     esac
   done
   log "all Go tools ready in $BIN"

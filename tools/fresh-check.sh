@@ -5,7 +5,8 @@
 # Reused from this machine (downloads, and Go's content-addressed compile cache, which can only return
 # an output for identical inputs): uv's package cache, the Go module cache, and GOCACHE unless
 # FRESH_STRICT=1 (then Go compiles everything again too: add ~20 min on 2 cores). Everything else is
-# built from nothing: the venv, the Go-built tools, MinIO, the real model, the trained adapters.
+# built from nothing: the venv, the Go-built tools, MinIO, the real model, the trained adapters, the kind
+# node image.
 #
 # Usage: tools/fresh-check.sh            clone HEAD (committed work only) into a temporary directory
 # Env:   FRESH_DIR=dir (default: a new mktemp dir), FRESH_KEEP=1 keeps it after a success,
@@ -32,6 +33,8 @@ if [ "${FRESH_STRICT:-}" = 1 ]; then
 else
   export GOCACHE_OVERRIDE="$cache/go/build"
 fi
+# The kind node image lives in podman's store, not in LORAFLEET_CACHE: build it again all the same.
+export KIND_NODE_REBUILD=1
 log "clone of $(git -C "$dir/repo" rev-parse --short HEAD) in $dir/repo, empty LORAFLEET_CACHE=$LORAFLEET_CACHE"
 
 summary=()

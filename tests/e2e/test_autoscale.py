@@ -8,21 +8,18 @@ of scaling, not minutes; every wait polls for a condition with a deadline.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from lorafleet_devcluster.cluster import wait_until
 from lorafleet_devcluster.paths import REPO_ROOT
 from lorafleet_devcluster.rawstack import (
     BASE,
     OPERATOR_RULES,
-    PROMPT,
     READY_S,
     ROUTER_RULES,
     RawStack,
@@ -36,6 +33,8 @@ from lorafleet_devcluster.rawstack import (
 from lorafleet_devcluster.session import TestCluster
 from lorafleet_operator.placement import place
 from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
+
+from tests.e2e.traffic import Load
 
 HOT = "org/hot-lora"
 # the pods run this checkout's operator code (the venv's editable install may point at another one)
@@ -129,45 +128,6 @@ def _any_ready(stack: RawStack, app: str) -> bool:
     return any(pod_ready(p) for p in stack.pods(app))
 
 
-class Load:
-    """``clients`` threads sending requests for one adapter through the router, back to back or one
-    every ``pause`` seconds per client (a trickle: paced load, not synchronisation)."""
-
-    def __init__(self, stack: RawStack, model: str, clients: int, pause: float = 0.0, tokens: int = 16) -> None:
-        self.url, self.model, self.pause, self.tokens = f"{stack.router}/v1/completions", model, pause, tokens
-        self.ok = 0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
-
-    def _run(self) -> None:
-        body = {"model": self.model, "prompt": PROMPT, "max_tokens": self.tokens, "temperature": 0, "ignore_eos": True}
-        with httpx.Client(timeout=60) as http:
-            while not self._stop.is_set():
-                try:
-                    r = http.post(self.url, json=body)
-                    failure = None if r.status_code == 200 else f"{r.status_code} {r.text[:200]}"
-                except httpx.HTTPError as e:
-                    failure = repr(e)
-                with self._lock:
-                    if failure is None:
-                        self.ok += 1
-                    else:
-                        self.failures.append(failure)
-                self._stop.wait(self.pause)
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(120)
-
-
 def _scaled(stack: RawStack, name: str, replicas: int) -> dict | None:
     """The object once it wants and serves ``replicas`` on exactly its top HRW pods (and only there)."""
     obj = stack.dm(name)
@@ -194,8 +154,9 @@ def test_skewed_load_grows_the_hot_adapter_and_it_shrinks_after(stack: Stack) ->
     obj = wait_until(lambda: _scaled(stack, "hot", 1), 180, "hot adapter Ready on 1 replica")
     assert _reason(obj, "Autoscaling") in ("NoDemandData", "AtMinReplicas", "AtTarget")
     # a trickle runs throughout (the shrink too: leavers must not fail a request), four clients on top
-    with Load(stack, HOT, clients=1, pause=2.0, tokens=1) as trickle:
-        with Load(stack, HOT, clients=4) as load:
+    url = f"{stack.router}/v1/completions"
+    with Load(url, HOT, clients=1, pause=2.0, tokens=1) as trickle:
+        with Load(url, HOT, clients=4) as load:
             obj = wait_until(lambda: _scaled(stack, "hot", 3), 180, "hot adapter grown to 3 replicas", interval=0.5)
             assert _reason(obj, "Autoscaling") in ("ScaledUp", "AtMaxReplicas")
         obj = wait_until(lambda: _scaled(stack, "hot", 1), 120, "hot adapter shrunk to 1 replica", interval=0.5)

@@ -34,10 +34,10 @@ def restricted_namespace(cluster: TestCluster, prefix: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHub]:
+def hub(cluster: TestCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHub]:
     root = tmp_path_factory.mktemp("restricted-adapter")
     adapter = make_tiny_adapter(root / "a", make_tiny_model(root / "base", "qwen3"), rank=4, seed=3, strength=3.0)
-    with LocalHub(tmp_path_factory.mktemp("hub")) as hub:
+    with LocalHub(tmp_path_factory.mktemp("hub"), host=cluster.test_server_host) as hub:
         hub.commit("lorafleet-demo/restricted-lora", adapter)
         yield hub
 

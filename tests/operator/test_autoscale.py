@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import pytest
@@ -147,7 +148,7 @@ def test_merge_reports_sums_the_routers() -> None:
     assert merge_reports([one, two]) == {("ns", "hot"): 3.5, ("ns", "x"): 0.0}
 
 
-async def test_router_demand_reads_every_url_and_none_when_one_fails() -> None:
+async def test_router_demand_reads_every_url_and_none_when_one_fails(caplog: pytest.LogCaptureFixture) -> None:
     port = unused_port()
     app = web.Application()
 
@@ -167,7 +168,11 @@ async def test_router_demand_reads_every_url_and_none_when_one_fails() -> None:
         assert await broken() is None
         await broken.close()
         unknown = RouterDemand([url, "http://no-such-router.invalid:8000/demand"])
-        assert await unknown() is None  # a name that does not resolve: no data, not zero demand
+        with caplog.at_level(logging.WARNING, logger="lorafleet_operator.autoscale"):
+            assert await unknown() is None  # a name that does not resolve: no data, not zero demand
+            assert await unknown() is None
+        warned = [r for r in caplog.records if "cannot resolve no-such-router.invalid" in r.getMessage()]
+        assert len(warned) == 1  # once per outage, not every interval
         await unknown.close()
     finally:
         await runner.cleanup()

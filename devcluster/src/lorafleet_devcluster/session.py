@@ -93,6 +93,15 @@ class TestCluster:
     def is_local(self) -> bool:
         return self.local is not None
 
+    @property
+    def test_server_host(self) -> str:
+        """The address a test's own servers (e.g. the Hub stand-in) listen on so that pods reach them:
+        loopback locally (pods share the host's network); on kind, the kind network's gateway
+        (`LORAFLEET_E2E_HOST_ADDRESS`, set by `make e2e-kind`)."""
+        if self.local:
+            return "127.0.0.1"
+        return os.environ.get("LORAFLEET_E2E_HOST_ADDRESS", "127.0.0.1")
+
     def _binary(self, tool: str) -> str:
         try:
             return str(tool_path(tool))
@@ -139,15 +148,23 @@ class TestCluster:
         return service_endpoints(self.kube, namespace, name, port)
 
     def _port_forward(self, namespace: str, name: str, port: int | str) -> tuple[str, int]:
+        proc, local_port = self.port_forward(namespace, f"svc/{name}", port)
+        self._forwards.append(proc)  # kept for the session
+        return "127.0.0.1", local_port
+
+    def port_forward(self, namespace: str, target: str, port: int | str) -> tuple[subprocess.Popen[str], int]:
+        """`kubectl port-forward TARGET :PORT` (TARGET: svc/NAME or pod/NAME) on a free loopback port:
+        the process (the caller stops it) and that port; LookupError if kubectl does not say it forwards."""
         argv = [self._binary("kubectl"), f"--kubeconfig={self.kubeconfig}", "-n", namespace, "port-forward"]
-        proc = subprocess.Popen([*argv, f"svc/{name}", f":{port}"], stdout=subprocess.PIPE, text=True)
-        self._forwards.append(proc)
+        proc = subprocess.Popen([*argv, target, f":{port}"], stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         line = proc.stdout.readline()  # "Forwarding from 127.0.0.1:NNNN -> PORT"
         m = re.search(r"127\.0\.0\.1:(\d+)", line)
         if not m:
-            raise LookupError(f"kubectl port-forward svc/{name}: {line!r}")
-        return "127.0.0.1", int(m.group(1))
+            proc.terminate()
+            proc.wait()
+            raise LookupError(f"kubectl port-forward {target}: {line!r}")
+        return proc, int(m.group(1))
 
     def logs(self, namespace: str, pod: str, container: str | None = None) -> str:
         """A pod's output: the node agent's capture locally, `kubectl logs` elsewhere."""

@@ -12,7 +12,6 @@ import contextlib
 import copy
 import json
 import os
-import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -48,7 +47,11 @@ def default_values(cluster: TestCluster, *, workers: int = 2, hf_endpoint: str =
     """
     pull = "IfNotPresent" if cluster.is_local else "Never"  # kind: images are side-loaded
     tag = os.environ.get("IMAGE_TAG", "dev")
-    return {
+    minio: dict[str, Any] = {}
+    if not cluster.is_local and os.environ.get("LORAFLEET_E2E_MINIO_IMAGE"):  # kind without a registry
+        repository, _, minio_tag = os.environ["LORAFLEET_E2E_MINIO_IMAGE"].rpartition(":")
+        minio = {"minio": {"image": {"repository": repository, "tag": minio_tag, "pullPolicy": pull}}}
+    return minio | {
         "image": {
             "operator": {"repository": "lorafleet/operator", "tag": tag, "pullPolicy": pull},
             "worker": {"repository": "lorafleet/worker", "tag": f"{tag}-dev", "pullPolicy": pull},
@@ -57,7 +60,8 @@ def default_values(cluster: TestCluster, *, workers: int = 2, hf_endpoint: str =
         "store": {"mode": "minio"},
         "huggingface": {"endpoint": hf_endpoint},
         "operator": {"driftCheckSeconds": 5, "callTimeoutSeconds": 10},
-        "workerDefaults": {"resources": {}},
+        # Small requests: a real node (kind, 2 CPUs) schedules by them, and its control plane asks for ~1 CPU.
+        "workerDefaults": {"resources": {"requests": {"cpu": "100m", "memory": "512Mi"}}},
         "workers": [
             {
                 "name": "qwen",
@@ -258,17 +262,9 @@ class Release:
         if self.cluster.is_local:
             yield f"http://{pod['status']['podIP']}:{port}"
             return
-        argv = ["kubectl", f"--kubeconfig={self.cluster.kubeconfig}", "-n", self.namespace, "port-forward"]
-        proc = subprocess.Popen(
-            [*argv, f"pod/{pod['metadata']['name']}", f":{port}"], stdout=subprocess.PIPE, text=True
-        )
+        proc, local_port = self.cluster.port_forward(self.namespace, f"pod/{pod['metadata']['name']}", port)
         try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()  # "Forwarding from 127.0.0.1:NNNN -> PORT"
-            match = re.search(r"127\.0\.0\.1:(\d+)", line)
-            if not match:
-                raise LookupError(f"kubectl port-forward pod/{pod['metadata']['name']}: {line!r}")
-            yield f"http://127.0.0.1:{match.group(1)}"
+            yield f"http://127.0.0.1:{local_port}"
         finally:
             proc.terminate()
             proc.wait()

@@ -270,6 +270,7 @@ class RouterDemand:
         self.urls = list(urls)
         self.timeout = timeout
         self._session: Any = None
+        self._unresolved: set[str] = set()  # hosts whose last lookup failed: warned once, until they resolve
 
     async def targets(self) -> list[str] | None:
         """The URLs to read, one per address of each URL's host (None when a name does not resolve)."""
@@ -291,8 +292,13 @@ class RouterDemand:
             try:
                 infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except OSError as e:
-                log.warning("cannot resolve %s for demand: %s", host, e)
+                if host not in self._unresolved:  # once per outage: a dev cluster without DNS never resolves it
+                    log.warning("cannot resolve %s for demand (no demand data until it resolves): %s", host, e)
+                    self._unresolved.add(host)
                 return None
+            if host in self._unresolved:
+                self._unresolved.discard(host)
+                log.info("%s resolves again for demand", host)
             for address in sorted({str(info[4][0]) for info in infos}):
                 netloc = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
                 out.append(parts._replace(netloc=netloc).geturl())
