@@ -14,7 +14,8 @@
 #
 # Cleanup runs on every exit and before every run: the cluster, the podman network, the namespace, the
 # host sysctls kubelet sets (vm.overcommit_memory, kernel.panic, kernel.panic_on_oops: not namespaced,
-# so saved before and restored after) and the empty /lib/modules kind's podman provider mounts.
+# so saved before and restored after), the empty /lib/modules kind's podman provider mounts, and the
+# /run/netns mount `ip netns add` makes (when this run made it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 here="$PWD/tools"
@@ -60,6 +61,10 @@ cleanup() {
     log "cleanup: host sysctls restored ($(tr '\n' ' ' <"$STATE/sysctls"))"
   fi
   if [ -e "$STATE/created-lib-modules" ]; then rmdir /lib/modules 2>/dev/null && log "cleanup: /lib/modules removed"; fi
+  # `ip netns add` mounts /run/netns on first use; unmount it if this run did and nothing else is in it.
+  if [ -e "$STATE/created-run-netns" ] && [ -z "$(ls -A /run/netns 2>/dev/null)" ]; then
+    umount /run/netns 2>/dev/null && rmdir /run/netns && log "cleanup: /run/netns unmounted"
+  fi
   rm -rf "$STATE"
   return $rc
 }
@@ -93,6 +98,7 @@ mkdir -p "$STATE"
 for key in vm.overcommit_memory kernel.panic kernel.panic_on_oops; do echo "$key $(sysctl -n "$key")"; done >"$STATE/sysctls"
 if [ "$engine" = podman ]; then
   [ -e /lib/modules ] || { mkdir /lib/modules && touch "$STATE/created-lib-modules"; }
+  mountpoint -q /run/netns || touch "$STATE/created-run-netns"
   ip netns add "$NETNS"
   in_ns ip link set lo up
 fi

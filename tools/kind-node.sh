@@ -188,5 +188,8 @@ podman commit -q \
   --change 'ENTRYPOINT ["/usr/local/bin/entrypoint", "/sbin/init"]' --change 'CMD []' \
   "$builder" "$IMAGE" >/dev/null
 podman rmi -f "$base" "${component_images[@]}" >/dev/null 2>&1 || true
+# One node image is kept: the ones of earlier inputs go (about 1 GB each).
+podman images --format '{{.Repository}}:{{.Tag}}' | grep '^localhost/lorafleet/kind-node:' | grep -vxF "$IMAGE" |
+  xargs -r podman rmi >/dev/null 2>&1 || true
 log "built $IMAGE"
 echo "$IMAGE"
