@@ -264,6 +264,7 @@ async def bench_e2e(
     num_seqs: int,
     prompt_len: int,
     max_tokens: int,
+    quantization: str | None = None,
 ) -> list[dict[str, Any]]:
     from lorafleet_worker.engine import Engine
 
@@ -276,7 +277,9 @@ async def bench_e2e(
         max_num_seqs=num_seqs,
         lora_backend=backend,
         max_lora_rank=64,
+        quantization=quantization,
     )
+    label = backend if quantization is None else f"{backend} {quantization}"
     await engine.start()
     try:
         names = [f"a{i:03d}" for i in range(len(adapter_dirs))]
@@ -288,8 +291,8 @@ async def bench_e2e(
             if n > len(names):
                 continue
             res = await _decode_run(engine, names[:n], num_seqs, prompt_len, max_tokens)
-            rows.append({"backend": backend, "adapters": n, "num_seqs": num_seqs, **res})
-            log(f"e2e {backend} adapters={n}: {res['decode_tokens_per_s']} decode tok/s")
+            rows.append({"backend": label, "quantization": quantization, "adapters": n, "num_seqs": num_seqs, **res})
+            log(f"e2e {label} adapters={n}: {res['decode_tokens_per_s']} decode tok/s")
         return rows
     finally:
         await engine.stop()
@@ -341,6 +344,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--backends", default="triton,torch", help="LoRA backends for the end-to-end run")
+    p.add_argument(
+        "--quantizations",
+        default="int8,int4",
+        help="weight-only quantizations (--quantization) also run end to end with the first backend; '' for none",
+    )
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -400,10 +408,20 @@ def main(argv: list[str] | None = None) -> int:
             model = bench_model()
             adapters = [bench_adapter(model, i, MIXED_RANKS[i % len(MIXED_RANKS)]) for i in range(max(E2E_ADAPTERS))]
         e2e_dtype = "float32" if args.dry_run else args.dtype
-        for backend in args.backends.split(","):
+        backends = args.backends.split(",")
+        runs = [(b, None) for b in backends] + [(backends[0], q) for q in args.quantizations.split(",") if q]
+        for backend, quant in runs:
             payload["e2e"] += asyncio.run(
                 bench_e2e(
-                    model, adapters, backend, device.type, e2e_dtype, args.num_seqs, args.prompt_len, args.max_tokens
+                    model,
+                    adapters,
+                    backend,
+                    device.type,
+                    e2e_dtype,
+                    args.num_seqs,
+                    args.prompt_len,
+                    args.max_tokens,
+                    quantization=quant,
                 )
             )
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
