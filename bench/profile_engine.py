@@ -115,6 +115,7 @@ def profile(model: Path, scenario: str, concurrency: int, profile_steps: int) ->
     if engine.lora_backend is not None:
         backend = engine.lora_backend
         backend.apply = timers.wrap("lora_apply", backend.apply)
+        backend.step_runners = False  # decode steps' LoRA through the timed apply too
         backend.prepare = timers.wrap("lora_prepare", backend.prepare)
 
     async def run() -> None:

@@ -217,6 +217,7 @@ class StepBreakdown:
     def __init__(self, engine: Any) -> None:
         import lorafleet_worker.engine as engine_mod
         import lorafleet_worker.model.transformer as model_mod
+        from lorafleet_worker.model import cpu_attention
 
         self.steps: list[dict[str, float]] = []
         self._current: dict[str, float] = {}
@@ -225,10 +226,14 @@ class StepBreakdown:
         self._patch(engine, "_step", self._wrap_step(engine._step))
         self._patch(engine_mod, "sample", self._wrap("sampling", engine_mod.sample))
         self._patch(model_mod, "base_linear", self._wrap("base_gemms", model_mod.base_linear))
+        self._patch(model_mod, "direct_linears", False)  # every GEMM through the timed base_linear
         attention = model_mod.paged_attention
         self._patch(model_mod, "paged_attention", self._wrap("attention", attention, watch_batch=True))
+        fused = cpu_attention.decode_attention  # a decode-only step's attention on CPU, one C++ op a layer
+        self._patch(cpu_attention, "decode_attention", self._wrap("attention", fused))
         if engine.lora_backend is not None:
             self._patch(engine.lora_backend, "apply", self._wrap("lora", engine.lora_backend.apply))
+            self._patch(engine.lora_backend, "step_runners", False)  # every LoRA call through the timed apply
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
         old = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)

@@ -118,6 +118,8 @@ class TorchLoRABackend:
     No op changes torch's thread count. `bench/micro_lora.py` times both against their matmul-only floor.
     """
 
+    step_runners = True  # the decode fast path below; instrumentation that times `apply` turns it off
+
     def __init__(self, device: torch.device | str = "cpu", grouped: str | None = None) -> None:
         """`grouped`: "cpp" (the C++ kernel for small segments) or "torch" (per-adapter matmuls only);
         None = "cpp" on CPU where the kernel builds, else "torch"."""
@@ -145,13 +147,13 @@ class TorchLoRABackend:
         """For a step whose every segment goes to the C++ kernel (decode steps), the step's `apply` with the
         per-call Python cut to a table look-up and the kernel call (one user decoding calls it 120 times a
         step on a 30-layer model, ~8 µs of Python each through `apply`); None where `apply` has to run (prefill
-        segments, the torch path, another dtype, or an `apply` wrapped from outside, e.g. a benchmark's timer).
+        segments, the torch path, another dtype, or `step_runners` turned off, e.g. by a benchmark timing `apply`).
         Inputs `apply` would not hand to the kernel (another dtype, strided rows) still go to `apply`."""
         plan = batch.host_plan
         dtype = pool.dtype
         if (
             self.grouped != "cpp"
-            or "apply" in self.__dict__
+            or not self.step_runners
             or not batch.has_lora
             or not isinstance(plan, _Plan)
             or plan.large

@@ -24,8 +24,10 @@ from lorafleet_worker.model.forward_batch import ForwardBatch, LoRAContext
 from lorafleet_worker.model.loading import Checkpoint, parse_dtype
 from lorafleet_worker.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
-base_linear = cpu_linear.linear  # every base-model GEMM goes through here (the benchmarks' hooks wrap it)
-_CPU_LINEAR = base_linear
+base_linear = cpu_linear.linear  # every base-model GEMM goes through here, but for `direct_linears`
+# panel weights call their own op (`matmul_2d`, four Python frames fewer a projection); instrumentation that
+# times `base_linear` (bench/roofline.py) turns this off so that every GEMM passes through it
+direct_linears = True
 GROUPS = ("qkv", "o", "gate_up", "down")
 
 if TYPE_CHECKING:
@@ -83,8 +85,7 @@ class DecoderLayer(nn.Module):
 
     def _proj(self, x: Tensor, w: Tensor, b: Tensor | None, group: str, lora: LoRAContext | None) -> Tensor:
         packed = self.packed.get(group)
-        # panel weights: their op directly (`matmul_2d`), unless a benchmark wrapped `base_linear` to time it
-        direct = getattr(packed, "matmul_2d", None) if base_linear is _CPU_LINEAR else None
+        direct = getattr(packed, "matmul_2d", None) if direct_linears else None
         out = direct(x, b) if direct is not None and x.dim() == 2 else base_linear(x, w, b, packed)
         if lora is not None:
             lora.apply(self.idx, group, x, out)
