@@ -15,10 +15,11 @@ pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="the panel kern
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 32, 48, 49, 130])
 def test_panel_linear_matches_f_linear(weight: str, act: torch.dtype, rows: int) -> None:
-    """Every tile height (1-6 rows), more than one 48-row block, a 37-wide tail panel, K = 300 (two K slices,
-    the second partial), with bias; int8 against the dequantized weight."""
+    """Every tile height (1-6 rows), more than one 48-row block, a 37-wide tail panel, K = 302 (two K slices,
+    the second partial and not a multiple of the one-row tile's 4-step unroll), with bias; int8 against the
+    dequantized weight."""
     torch.manual_seed(rows)
-    w = torch.randn(37, 300) * 0.1
+    w = torch.randn(37, 302) * 0.1
     bias = torch.randn(37)
     if weight == "int8":
         scales = w.abs().amax(1) / 127
@@ -27,7 +28,7 @@ def test_panel_linear_matches_f_linear(weight: str, act: torch.dtype, rows: int)
     else:
         dt = getattr(torch, weight)
         packed, dense = cpu_gemm.pack(w.to(dt)), w.to(dt).float()
-    x = torch.randn(rows, 300).to(act)
+    x = torch.randn(rows, 302).to(act)
     got = packed.matmul(x, bias.to(act))
     ref = F.linear(x.float(), dense, bias.to(act).float())
     assert got.dtype == act and got.shape == (rows, 37)

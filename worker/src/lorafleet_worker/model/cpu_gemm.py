@@ -109,6 +109,83 @@ static inline void tile(const float* xt, const W* panel, int64_t kc, float* c, b
 #undef LF_FMA
 #undef LF_STORE
 }
+
+// One row of x (a decode step of one sequence): `tile<W, 1>` has two accumulators, so every k waits for the
+// previous k's FMA (4-5 cycles) and the kernel runs at the FMA latency, not at the memory's speed. Four
+// accumulator pairs over consecutive k keep four chains in flight; they are summed at the end.
+template <typename W>
+inline void tile1(const float* x, const W* panel, int64_t kc, float* c, bool first) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
+  int64_t k = 0;
+  for (; k + 4 <= kc; k += 4) {
+    __m256 w0, w1, v0, v1, u0, u1, t0, t1;
+    load16(panel + k * NR, w0, w1);
+    load16(panel + (k + 1) * NR, v0, v1);
+    load16(panel + (k + 2) * NR, u0, u1);
+    load16(panel + (k + 3) * NR, t0, t1);
+    const __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + k + 1);
+    const __m256 x2 = _mm256_broadcast_ss(x + k + 2), x3 = _mm256_broadcast_ss(x + k + 3);
+    a0 = _mm256_fmadd_ps(x0, w0, a0);
+    a1 = _mm256_fmadd_ps(x0, w1, a1);
+    b0 = _mm256_fmadd_ps(x1, v0, b0);
+    b1 = _mm256_fmadd_ps(x1, v1, b1);
+    c0 = _mm256_fmadd_ps(x2, u0, c0);
+    c1 = _mm256_fmadd_ps(x2, u1, c1);
+    d0 = _mm256_fmadd_ps(x3, t0, d0);
+    d1 = _mm256_fmadd_ps(x3, t1, d1);
+  }
+  for (; k < kc; ++k) {
+    __m256 w0, w1;
+    load16(panel + k * NR, w0, w1);
+    const __m256 xv = _mm256_broadcast_ss(x + k);
+    a0 = _mm256_fmadd_ps(xv, w0, a0);
+    a1 = _mm256_fmadd_ps(xv, w1, a1);
+  }
+  a0 = _mm256_add_ps(_mm256_add_ps(a0, b0), _mm256_add_ps(c0, d0));
+  a1 = _mm256_add_ps(_mm256_add_ps(a1, b1), _mm256_add_ps(c1, d1));
+  if (!first) {
+    a0 = _mm256_add_ps(a0, _mm256_loadu_ps(c));
+    a1 = _mm256_add_ps(a1, _mm256_loadu_ps(c + 8));
+  }
+  _mm256_storeu_ps(c, a0);
+  _mm256_storeu_ps(c + 8, a1);
+}
+// bfloat16 at one row: each 32-bit lane of a panel row holds two weights, so `& 0xffff0000` is the odd one
+// and `<< 16` the even one as float32, two cheap ops for 16 weights where `load16` spends five (two of them
+// lane-crossing). The accumulators hold even and odd outputs; they are put back in order once at the end.
+template <>
+inline void tile1<at::BFloat16>(const float* x, const at::BFloat16* panel, int64_t kc, float* c, bool first) {
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 e0 = _mm256_setzero_ps(), o0 = e0, e1 = e0, o1 = e0, e2 = e0, o2 = e0, e3 = e0, o3 = e0;
+  int64_t k = 0;
+#define LF_EO(w, e, o, xk)                                                                            \
+  {                                                                                                   \
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));                      \
+    const __m256 xv = _mm256_broadcast_ss(xk);                                                        \
+    e = _mm256_fmadd_ps(xv, _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)), e);                     \
+    o = _mm256_fmadd_ps(xv, _mm256_castsi256_ps(_mm256_and_si256(raw, hi)), o);                       \
+  }
+  for (; k + 4 <= kc; k += 4) {
+    LF_EO(panel + k * NR, e0, o0, x + k)
+    LF_EO(panel + (k + 1) * NR, e1, o1, x + k + 1)
+    LF_EO(panel + (k + 2) * NR, e2, o2, x + k + 2)
+    LF_EO(panel + (k + 3) * NR, e3, o3, x + k + 3)
+  }
+  for (; k < kc; ++k) LF_EO(panel + k * NR, e0, o0, x + k)
+#undef LF_EO
+  const __m256 even = _mm256_add_ps(_mm256_add_ps(e0, e1), _mm256_add_ps(e2, e3));  // outputs 0, 2, ..., 14
+  const __m256 odd = _mm256_add_ps(_mm256_add_ps(o0, o1), _mm256_add_ps(o2, o3));   // outputs 1, 3, ..., 15
+  const __m256 lo = _mm256_unpacklo_ps(even, odd);  // outputs 0-3 | 8-11
+  const __m256 up = _mm256_unpackhi_ps(even, odd);  // outputs 4-7 | 12-15
+  __m256 a0 = _mm256_permute2f128_ps(lo, up, 0x20), a1 = _mm256_permute2f128_ps(lo, up, 0x31);
+  if (!first) {
+    a0 = _mm256_add_ps(a0, _mm256_loadu_ps(c));
+    a1 = _mm256_add_ps(a1, _mm256_loadu_ps(c + 8));
+  }
+  _mm256_storeu_ps(c, a0);
+  _mm256_storeu_ps(c + 8, a1);
+}
+#define LF_TILE1(W, xt, panel, kc, c, first) tile1<W>(xt, panel, kc, c, first)
 #else
 template <typename W, int mr>
 static inline void tile(const float* xt, const W* panel, int64_t kc, float* c, bool first) {
@@ -125,12 +202,13 @@ static inline void tile(const float* xt, const W* panel, int64_t kc, float* c, b
   }
   for (int i = 0; i < mr; ++i) std::memcpy(c + i * NR, acc[i], sizeof(acc[i]));
 }
+#define LF_TILE1(W, xt, panel, kc, c, first) tile<W, 1>(xt, panel, kc, c, first)
 #endif
 
 template <typename W>
 static void tile_any(int mr, const float* xt, const W* panel, int64_t kc, float* c, bool first) {
   switch (mr) {
-    case 1: tile<W, 1>(xt, panel, kc, c, first); break;
+    case 1: LF_TILE1(W, xt, panel, kc, c, first); break;
     case 2: tile<W, 2>(xt, panel, kc, c, first); break;
     case 3: tile<W, 3>(xt, panel, kc, c, first); break;
     case 4: tile<W, 4>(xt, panel, kc, c, first); break;
@@ -248,7 +326,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
 }
 """
 
-EXT_NAME = "lorafleet_cpu_gemm_v2"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+EXT_NAME = "lorafleet_cpu_gemm_v3"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
 EXTENSION = native_ops.Extension(
     name=EXT_NAME,
     source=_SOURCE,
