@@ -19,7 +19,7 @@ from lorafleet_worker.engine import Engine
 from lorafleet_worker.kernels import paged_attention
 from lorafleet_worker.lora.batch import LoRABatchInfo
 from lorafleet_worker.lora.triton_backend import TritonLoRABackend
-from lorafleet_worker.model import quantization
+from lorafleet_worker.model.quantization import METHODS as QUANTIZATIONS
 from lorafleet_worker.sampling import SamplingParams, TokenOutput
 
 PROMPT = [5, 17, 42, 99, 7, 63, 120, 11, 250, 31, 8, 77, 140, 3, 19, 56, 200, 64, 12, 90]
@@ -170,7 +170,7 @@ async def test_engine_defaults_on_cuda_are_the_compiled_triton_path_in_bf16(
 
 
 @needs_cuda
-@pytest.mark.parametrize("method", quantization.METHODS)
+@pytest.mark.parametrize("method", QUANTIZATIONS)
 async def test_quantized_triton_engine_on_cuda_matches_torch(
     model_and_adapters: tuple[Path, dict[str, Path]], method: str
 ) -> None:
