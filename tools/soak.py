@@ -612,9 +612,19 @@ def main(argv: list[str] | None = None) -> int:
         soak_report.plot_timeline(report, plot)
         print(json.dumps(report["invariants"], indent=1))
         print(f"soak: report {args.report.resolve()}, timeline {plot.resolve()}", flush=True)
+        print(verdict(report["invariants"]), flush=True)  # last, so that a log's tail names what failed
         release.helm("uninstall", release.name, check=False)
         cluster.kubectl("delete", "namespace", release.namespace, "--wait=false", check=False)
     return 0 if all(v["ok"] for v in report["invariants"].values()) else 1
+
+
+def verdict(invariants: dict[str, dict[str, Any]], width: int = 600) -> str:
+    """One line naming each invariant that failed with its figures (each cut to ``width`` characters), so
+    that the tail of a log (all CI keeps) says what failed."""
+    failed = {name: {k: v for k, v in inv.items() if k != "ok"} for name, inv in invariants.items() if not inv["ok"]}
+    if not failed:
+        return f"soak: every invariant held ({', '.join(invariants)})"
+    return "soak: FAILED " + "; ".join(f"{name} {json.dumps(fields)[:width]}" for name, fields in failed.items())
 
 
 def build_report(

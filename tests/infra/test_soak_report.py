@@ -132,3 +132,16 @@ def test_a_flap_is_an_object_unconverged_after_everything_had_converged() -> Non
     ]
     assert REPORT.flaps(samples, since=10.0) == [{"t": 16.0, "not_converged": ["b"]}]
     assert REPORT.flaps(samples[:3], since=10.0) == []
+
+
+def test_the_verdict_line_names_each_failed_invariant_with_its_figures() -> None:
+    soak = _tool("soak")
+    held = {"tracebacks": {"ok": True, "by_pod": {}}, "rss": {"ok": True, "growth_mib": {"w": 3}}}
+    assert soak.verdict(held) == "soak: every invariant held (tracebacks, rss)"
+    failed = {**held, "converged": {"ok": False, "seconds_after_last_fault": None, "state": "a03 not Ready",
+                                    "flaps_after_convergence": [{"t": 1}]}}  # fmt: skip
+    line = soak.verdict(failed)
+    assert line.startswith("soak: FAILED converged ")
+    assert "a03 not Ready" in line and "seconds_after_last_fault" in line and "flaps_after_convergence" in line
+    assert "tracebacks" not in line
+    assert len(soak.verdict(failed, width=40)) < len("soak: FAILED converged ") + 41
