@@ -53,6 +53,10 @@ def test_leading_dimensions_strides_and_bad_weights() -> None:
         cpu_gemm.pack(torch.randn(4, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="25 input features, the weight 24"):
         packed.matmul(torch.randn(1, 25))
+    wide = torch.randn(3, 40).to(torch.bfloat16)  # a bf16 column slice (rows 40 apart): copied contiguous first
+    assert torch.equal(packed.matmul_2d(wide[:, :24], None), packed.matmul_2d(wide[:, :24].contiguous(), None))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 x"):
+        packed.matmul_2d(torch.randn(2, 24).half(), None)
 
 
 def test_mode_follows_the_cpu_and_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:

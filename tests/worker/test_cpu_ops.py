@@ -53,6 +53,9 @@ def test_silu_mul(dtype: torch.dtype, tol: float, rows: int, inter: int) -> None
     gate, up = gate_up.chunk(2, dim=-1)
     assert close(cpu_attention.silu_mul(gate_up), F.silu(gate) * up, tol)
     assert torch.isfinite(cpu_attention.silu_mul(torch.tensor([[-200.0, 200.0, 1.0, 1.0]]).to(dtype))).all()
+    nan = torch.ones(1, 20).to(dtype)
+    nan[0, [0, 9]] = float("nan")  # a vector lane and the scalar tail: NaN stays NaN, no other value touched
+    assert torch.isnan(cpu_attention.silu_mul(nan)[0]).tolist() == [i in (0, 9) for i in range(10)]
 
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)

@@ -389,7 +389,51 @@ at::Tensor add_rms_norm_(at::Tensor h, at::Tensor delta, at::Tensor w, double ep
   return out;
 }
 
-// gate_up [T, 2I] (gate | up) -> T(silu(gate)) * up, each op rounded to T as F.silu(gate) * up does.
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight lanes of the scalar helpers above, the same arithmetic: `exp_nonpos`, a float's rounding to T (bfloat16:
+// to nearest even, NaN kept a quiet NaN, as c10::BFloat16 rounds) and back, loads and stores of T.
+static inline __m256 exp_nonpos8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic), magic);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+static inline __m256 load8_as_float(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_as_float(const at::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline __m256i bf16_bits8(__m256 f) {  // round to nearest even; the 16 bits in each lane's low half
+  const __m256i b = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+}
+static inline __m256 round8(__m256 f, float) { return f; }
+static inline __m256 round8(__m256 f, at::BFloat16) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(f), 16));
+}
+static inline void store8(float* p, __m256 f) { _mm256_storeu_ps(p, f); }
+static inline void store8(at::BFloat16* p, __m256 f) {
+  const __m256i b = bf16_bits8(f);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+#endif
+
+// gate_up [T, 2I] (gate | up) -> T(silu(gate)) * up, each op rounded to T as F.silu(gate) * up does. Eight
+// at a time with AVX2 (`omp simd` left the loop scalar: 8-12 us a 1536-wide row, 0.3 ms of a decode step).
 template <typename T>
 static void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
   const int64_t rows = gu.size(0), inter = gu.size(1) / 2, rs = gu.stride(0);
@@ -400,8 +444,18 @@ static void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
       const T* g = gp + r * rs;
       const T* u = g + inter;
       T* o = op + r * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+      for (; i + 8 <= inter; i += 8) {
+        const __m256 x = load8_as_float(g + i);
+        const __m256 e = exp_nonpos8(_mm256_or_ps(x, sign));  // exp(-|x|)
+        const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+        const __m256 s = round8(_mm256_mul_ps(x, _mm256_div_ps(num, _mm256_add_ps(one, e))), T{});
+        store8(o + i, _mm256_mul_ps(s, load8_as_float(u + i)));
+      }
+#endif
+      for (; i < inter; ++i) {
         const float x = widen(g[i]);
         const float e = exp_nonpos(-std::fabs(x));  // silu(x) = x * sigmoid(x), sigmoid from exp(-|x|)
         const float sig = (x >= 0.f ? 1.f : e) / (1.f + e);
@@ -546,7 +600,7 @@ at::Tensor decode_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, c10:
 }
 """
 
-EXT_NAME = "lorafleet_cpu_ops_v10"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+EXT_NAME = "lorafleet_cpu_ops_v11"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
 EXTENSION = native_ops.Extension(
     name=EXT_NAME,
     source=_SOURCE,
