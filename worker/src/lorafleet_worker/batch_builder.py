@@ -14,43 +14,48 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     """The model inputs of a plan, and the per-token LoRA slots (int32 [T], -1 = base).
 
     Logits rows, chunk by chunk: the chunk's `prompt_logprob_positions`, then its last token if it samples.
+    Built from Python lists, one tensor each (a decode step of a few sequences is a few small lists: the torch
+    ops a tensor-side build ran cost more than the lists).
     """
     input_ids: list[int] = []
     positions: list[int] = []
-    seq_idx: list[int] = []
+    slot_mapping: list[int] = []  # flat cache index of each token: its block's id * block_size + offset
     token_slots: list[int] = []
     starts: list[int] = []
     logits_rows: list[int] = []
-    for i, c in enumerate(plan.chunks):
+    for c in plan.chunks:
         seq, n, start = c.seq, c.num_tokens, c.seq.num_computed
+        blocks, span = seq.blocks, range(start, start + n)
         starts.append(len(input_ids))
         input_ids.extend(seq.tokens[start : start + n])
-        positions.extend(range(start, start + n))
-        seq_idx.extend([i] * n)
+        positions.extend(span)
+        slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size for p in span)
         token_slots.extend([seq.slot] * n)
         logits_rows.extend(starts[-1] + p - start for p in c.prompt_logprob_positions)
         if c.samples:
             logits_rows.append(len(input_ids) - 1)
-    tables = block_table_tensor([c.seq.blocks for c in plan.chunks], torch.device("cpu")).long()
-    pos = torch.tensor(positions, dtype=torch.int64)
-    slot_mapping = tables[torch.tensor(seq_idx), pos // block_size] * block_size + pos % block_size
-
     nd = plan.num_decode
-    dev_tables = tables.to(device, torch.int32, non_blocking=True)
+    tables = block_table_tensor([c.seq.blocks for c in plan.chunks], device)
     prefills = []
     for i in range(nd, len(plan.chunks)):
         c = plan.chunks[i]
         ctx = c.seq.num_computed + c.num_tokens
-        prefills.append(PrefillSeq(starts[i], c.num_tokens, ctx, dev_tables[i, : -(-ctx // block_size)].long()))
+        prefills.append(PrefillSeq(starts[i], c.num_tokens, ctx, tables[i, : -(-ctx // block_size)].long()))
     decode_lens = [c.seq.num_computed + 1 for c in plan.chunks[:nd]]
     batch = ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
-        positions=pos.to(device, non_blocking=True),
-        slot_mapping=slot_mapping.to(device, non_blocking=True),
+        input_ids=_tensor(input_ids, torch.int64, device),
+        positions=_tensor(positions, torch.int64, device),
+        slot_mapping=_tensor(slot_mapping, torch.int64, device),
         num_decode=nd,
-        decode_block_tables=dev_tables[:nd],
-        decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32).to(device, non_blocking=True),
+        decode_block_tables=tables[:nd],
+        decode_seq_lens=_tensor(decode_lens, torch.int32, device),
         prefills=prefills,
-        logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(device, non_blocking=True),
+        logits_indices=_tensor(logits_rows, torch.int64, device),
     )
     return batch, torch.tensor(token_slots, dtype=torch.int32)
+
+
+def _tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """`values` as a tensor on `device` (on the CPU, no `.to` call at all)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
