@@ -81,14 +81,18 @@ static inline __m512 load16(const at::BFloat16* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-// AVX2: 8 floats a register. Without these the dot product below stays a scalar chain (GCC does not reorder a
-// float sum without -ffast-math): 64 dependent FMAs per score, 10 % of a one-user decode step on an AVX2 EPYC.
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 values of T as float (also on AVX-512 builds: SiLU x up below uses them)
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const at::BFloat16* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2: 8 floats a register. Without these the dot product below stays a scalar chain (GCC does not reorder a
+// float sum without -ffast-math): 64 dependent FMAs per score, 10 % of a one-user decode step on an AVX2 EPYC.
 static inline float reduce8(__m256 a) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -391,7 +395,7 @@ at::Tensor add_rms_norm_(at::Tensor h, at::Tensor delta, at::Tensor w, double ep
 
 #if defined(__AVX2__) && defined(__FMA__)
 // Eight lanes of the scalar helpers above, the same arithmetic: `exp_nonpos`, a float's rounding to T (bfloat16:
-// to nearest even, NaN kept a quiet NaN, as c10::BFloat16 rounds) and back, loads and stores of T.
+// to nearest even, NaN kept a quiet NaN, as c10::BFloat16 rounds) and back, stores of T.
 static inline __m256 exp_nonpos8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
   const __m256 magic = _mm256_set1_ps(12582912.0f);
@@ -407,11 +411,6 @@ static inline __m256 exp_nonpos8(__m256 x) {
   const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-static inline __m256 load8_as_float(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8_as_float(const at::BFloat16* p) {
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 static inline __m256i bf16_bits8(__m256 f) {  // round to nearest even; the 16 bits in each lane's low half
   const __m256i b = _mm256_castps_si256(f);
@@ -448,11 +447,11 @@ static void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
 #if defined(__AVX2__) && defined(__FMA__)
       const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
       for (; i + 8 <= inter; i += 8) {
-        const __m256 x = load8_as_float(g + i);
+        const __m256 x = load8(g + i);
         const __m256 e = exp_nonpos8(_mm256_or_ps(x, sign));  // exp(-|x|)
         const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
         const __m256 s = round8(_mm256_mul_ps(x, _mm256_div_ps(num, _mm256_add_ps(one, e))), T{});
-        store8(o + i, _mm256_mul_ps(s, load8_as_float(u + i)));
+        store8(o + i, _mm256_mul_ps(s, load8(u + i)));
       }
 #endif
       for (; i < inter; ++i) {
@@ -600,7 +599,7 @@ at::Tensor decode_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, c10:
 }
 """
 
-EXT_NAME = "lorafleet_cpu_ops_v11"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+EXT_NAME = "lorafleet_cpu_ops_v12"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
 EXTENSION = native_ops.Extension(
     name=EXT_NAME,
     source=_SOURCE,
