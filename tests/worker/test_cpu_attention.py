@@ -106,14 +106,16 @@ def test_query_groups_of_the_fast_path(group: int, window: int | None) -> None:
     assert (ours - ref).abs().max().item() < 1e-5
 
 
-def test_large_score_range_stays_finite() -> None:
+# 6 tokens: the scalar softmax; 13: eight vector lanes and a scalar tail; head dim 64: the per-KV-head fast path
+@pytest.mark.parametrize(("length", "head_dim"), [(6, 16), (13, 16), (13, 64)])
+def test_large_score_range_stays_finite(length: int, head_dim: int) -> None:
     """The softmax's exp sees scores far below the max (underflow to 0, never NaN)."""
-    k_cache = torch.zeros(4, 4, 1, 16)
-    v_cache = torch.randn(4, 4, 1, 16)
+    k_cache = torch.zeros(4, 4, 1, head_dim)
+    v_cache = torch.randn(4, 4, 1, head_dim)
     k_cache[1, 0, 0] = 100.0  # one key scores far above the others
-    q = torch.ones(1, 1, 16)
-    out = cpu_attention.paged_decode(q, k_cache, v_cache, torch.tensor([[1, 2]], dtype=torch.int32),
-                                     torch.tensor([6], dtype=torch.int32), 1.0, None)  # fmt: skip
+    q = torch.ones(1, 1, head_dim)
+    out = cpu_attention.paged_decode(q, k_cache, v_cache, torch.tensor([[1, 2, 3, 0]], dtype=torch.int32),
+                                     torch.tensor([length], dtype=torch.int32), 1.0, None)  # fmt: skip
     assert torch.allclose(out[0, 0], v_cache[1, 0, 0], atol=1e-6)
 
 
