@@ -88,3 +88,42 @@ def test_model_with_and_without_the_fused_ops(
     plain = our_logprobs(model, prompt)
     tol = 1e-4 if dtype == torch.float32 else 0.15
     assert (fused - plain).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: qkv bias; qwen3: per-head q/k norms
+def test_decode_fast_path_gives_the_bits_of_the_layer_forward(
+    tiny_models: Any, monkeypatch: pytest.MonkeyPatch, arch: str, dtype: torch.dtype
+) -> None:
+    """A decode-only CPU step runs the lean loop over `CpuDecodeLayer`s, with the same logits, bit for bit,
+    as `DecoderLayer.forward` (what instrumentation that turns `direct_linears` off times instead)."""
+    from lorafleet_worker.model import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("the panel GEMM does not build: no direct GEMMs, no fast path")
+    model = Transformer.from_pretrained(Path(tiny_models[arch]), dtype=dtype, attn_backend="cpu")
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if name.endswith("_b"):  # the tiny checkpoints' biases are zeros: make them count
+            param.data.normal_()
+    assert model.cpu_decode_layers() is not None
+    calls = []
+    lean = transformer_mod._decode_on_cpu
+    monkeypatch.setattr(transformer_mod, "_decode_on_cpu", lambda *a: calls.append(1) or lean(*a))
+    prompt = [5, 17, 42, 99, 3, 250, 7, 8, 311, 64, 12, 1, 77, 140, 33, 21, 9]
+    fast = our_logprobs(model, prompt)
+    assert len(calls) == 4  # the four one-token chunks of `our_logprobs`, the decode steps
+    monkeypatch.setattr(transformer_mod, "direct_linears", False)
+    generic = our_logprobs(model, prompt)
+    assert len(calls) == 4
+    assert torch.equal(fast, generic)
+
+
+def test_repacking_drops_the_decode_plan(tiny_models: Any) -> None:
+    """Quantizing after a decode step rebuilds the plan from the new weights (no stale GEMM is called)."""
+    model = Transformer.from_pretrained(Path(tiny_models["llama"]), dtype=torch.bfloat16, attn_backend="cpu")
+    before = model.cpu_decode_layers()
+    model.quantize_weights("int8")
+    after = model.cpu_decode_layers()
+    assert before is not None and after is not None and after is not before
+    assert after[0].qkv is not before[0].qkv

@@ -743,6 +743,14 @@ def available() -> bool:
     return _module() is not None
 
 
+def native() -> Any:
+    """The compiled module itself (`available()` first): its functions take the arguments the wrappers below
+    pass, without a wrapper's call (a decode step's hot loop, `transformer._cpu_decode`)."""
+    mod = _module()
+    assert mod is not None, "check available() first"
+    return mod
+
+
 def paged_decode(
     q: Tensor,
     k_cache: Tensor,
@@ -821,6 +829,7 @@ __all__ = [
     "add_rms_norm_",
     "available",
     "decode_attention",
+    "native",
     "paged_decode",
     "rms_norm",
     "rope_",
