@@ -186,3 +186,18 @@ def test_eos_ids_merge_generation_config(tiny_models: Any, tmp_path: Path) -> No
     assert ModelConfig.from_dir(d).eos_token_ids == (5, 7, 9)
     (d / "generation_config.json").write_text("{not json")
     assert ModelConfig.from_dir(d).eos_token_ids == (5,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_tables_are_the_cos_sin_of_each_position(tiny_models: Any, dtype: torch.dtype) -> None:
+    """The CPU cos / sin tables (grown past their first 256 positions) give the values `rope_cos_sin`
+    computes for the positions alone."""
+    from lorafleet_worker.model.rope import rope_cos_sin
+
+    model = Transformer.from_pretrained(tiny_models["qwen3"], dtype=dtype)
+    for positions in (torch.tensor([0, 3, 255]), torch.tensor([1000, 7, 600]), torch.tensor([5])):
+        got = model._rope_tables(positions)
+        want = rope_cos_sin(positions, model.inv_freq, model.rope_scale, dtype)
+        assert all(torch.equal(g, w) and g.dtype == dtype and g.shape == (len(positions), 1, w.shape[-1])
+                   for g, w in zip(got, want, strict=True))  # fmt: skip
+    assert model._rope_cache is not None and model._rope_cache[0].shape[0] >= 1001
