@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lorafleet_worker.model import cpu_attention
 from lorafleet_worker.sampling import SampledToken, SamplingParams, SamplingState, make_generator
 from lorafleet_worker.sampling import sample as sample_states
 
@@ -117,3 +118,34 @@ def test_mixed_greedy_and_sampled_rows() -> None:
 def test_validate_rejects_out_of_range(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs).validate()  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="the C++ CPU ops do not build")
+@pytest.mark.parametrize("vocab", [5, 8, 50, 49153])  # below one vector, one vector, a tail, the real vocab + 1
+def test_plain_greedy_rows_take_the_one_pass_pick(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All-greedy rows without processors or logprobs go through `cpu_attention.greedy_pick`: the first
+    maximum (ties included) and the chosen log-probability of the general path."""
+    logits = _logits(rows=4, vocab=vocab, seed=vocab)
+    logits[1, vocab // 3] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie: the first index wins
+    logits[2] = 0.0  # every token ties
+    params = [SamplingParams(temperature=0)] * 4
+    calls = []
+    pick = cpu_attention.greedy_pick
+    monkeypatch.setattr(cpu_attention, "greedy_pick", lambda x: calls.append(1) or pick(x))
+    fast = sample(logits, params, [None] * 4)
+    assert calls == [1]
+    ref = torch.log_softmax(logits, -1)
+    assert [t.token_id for t in fast] == logits.argmax(-1).tolist() and fast[1].token_id == vocab // 3
+    for r, tok in enumerate(fast):
+        assert tok.logprob == pytest.approx(float(ref[r, tok.token_id]), abs=1e-5) and tok.top_logprobs is None
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="the C++ CPU ops do not build")
+def test_non_finite_logits_keep_the_torch_path() -> None:
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        logits = _logits(rows=2, vocab=40)
+        logits[1, 17] = bad
+        assert cpu_attention.greedy_pick(logits) is None
+        out = sample(logits, [SamplingParams(temperature=0)] * 2, [None] * 2)
+        assert [t.token_id for t in out] == logits.argmax(-1).tolist()  # torch's argmax: NaN and inf win
+    assert cpu_attention.greedy_pick(_logits(rows=2, vocab=40)) is not None

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lorafleet_worker.logits_processors import LogitsProcessor, build_processors
+from lorafleet_worker.model import cpu_attention
 
 MAX_LOGPROBS = 20
 
@@ -185,6 +186,10 @@ def sample(logits: Tensor, states: Sequence[SamplingState], allowed: Tensor | No
         return []
     device = logits.device
     params = [st.params for st in states]
+    if allowed is None:
+        picked = _plain_greedy(logits, states)
+        if picked is not None:
+            return picked
     generators = [st.generator for st in states]
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
@@ -232,6 +237,23 @@ def sample(logits: Tensor, states: Sequence[SamplingState], allowed: Tensor | No
             top = dict(zip(top_i[r][: p.logprobs], top_v[r][: p.logprobs], strict=True))
         out.append(SampledToken(token_list[r], chosen_list[r], top))
     return out
+
+
+def _plain_greedy(logits: Tensor, states: Sequence[SamplingState]) -> list[SampledToken] | None:
+    """Greedy rows with no processors and no logprobs asked for, on CPU: the C++ pick (argmax and the chosen
+    log-probability in two passes a row, `cpu_attention.greedy_pick`), the same tokens and log-probabilities
+    as the general path below within float rounding. None: the general path serves this batch."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
+        return None
+    if any(not st.params.greedy or st.params.logprobs is not None or st.processors for st in states):
+        return None
+    if not cpu_attention.available():
+        return None
+    picked = cpu_attention.greedy_pick(logits)
+    if picked is None:  # a NaN or an infinity in some row: torch's IEEE results
+        return None
+    tokens, logprobs = picked
+    return [SampledToken(t, lp, None) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
 
 
 def prompt_logprobs(logits: Tensor, targets: Sequence[int], k: int) -> list[tuple[float, dict[int, float]]]:
