@@ -284,32 +284,7 @@ static void attend_kv_head(const T* q, float scale, const T* kc, const T* vc, co
   }
 }
 
-template <typename T>
-using KvHeadFn = void (*)(const T*, float, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
-                          float*, T*);
-
-template <typename T, int NCH>
-static KvHeadFn<T> pick_group(int64_t G) {
-  switch (G) {
-    case 1: return &attend_kv_head<T, NCH, 1>;
-    case 2: return &attend_kv_head<T, NCH, 2>;
-    case 3: return &attend_kv_head<T, NCH, 3>;
-    case 4: return &attend_kv_head<T, NCH, 4>;
-    case 5: return &attend_kv_head<T, NCH, 5>;
-    case 6: return &attend_kv_head<T, NCH, 6>;
-    case 7: return &attend_kv_head<T, NCH, 7>;
-    case 8: return &attend_kv_head<T, NCH, 8>;
-    default: return nullptr;
-  }
-}
-
-// The fast path for head dims 64 and 128 with up to 8 query heads per KV head; nullptr: the general loop.
-template <typename T>
-static KvHeadFn<T> pick_fast(int64_t D, int64_t G) {
-  if (D == 64) return pick_group<T, 4>(G);
-  if (D == 128) return pick_group<T, 8>(G);
-  return nullptr;
-}
+#define LF_HEAD_LANES 16  // floats a register
 #elif defined(__AVX2__) && defined(__FMA__)
 // The AVX2 fast path of one (sequence, KV head), the same walk with 16 registers instead of 32: the G query
 // heads (scaled, as float) stay in L1 and each key row is widened once into NCH = D / 8 registers for the G
@@ -385,10 +360,13 @@ static void attend_kv_head(const T* q, float scale, const T* kc, const T* vc, co
   }
 }
 
+#define LF_HEAD_LANES 8
+#endif
+
 template <typename T>
 using KvHeadFn = void (*)(const T*, float, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
                           float*, T*);
-
+#ifdef LF_HEAD_LANES
 template <typename T, int NCH>
 static KvHeadFn<T> pick_group(int64_t G) {
   switch (G) {
@@ -404,16 +382,14 @@ static KvHeadFn<T> pick_group(int64_t G) {
   }
 }
 
+// The fast path for head dims 64 and 128 with up to 8 query heads per KV head; nullptr: the general loop.
 template <typename T>
 static KvHeadFn<T> pick_fast(int64_t D, int64_t G) {
-  if (D == 64) return pick_group<T, 8>(G);
-  if (D == 128) return pick_group<T, 16>(G);
+  if (D == 64) return pick_group<T, 64 / LF_HEAD_LANES>(G);
+  if (D == 128) return pick_group<T, 128 / LF_HEAD_LANES>(G);
   return nullptr;
 }
 #else
-template <typename T>
-using KvHeadFn = void (*)(const T*, float, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
-                          float*, T*);
 template <typename T>
 static KvHeadFn<T> pick_fast(int64_t, int64_t) { return nullptr; }
 #endif
@@ -797,7 +773,7 @@ at::Tensor decode_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, c10:
 }
 """
 
-EXT_NAME = "lorafleet_cpu_ops_v14"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+EXT_NAME = "lorafleet_cpu_ops_v15"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
 EXTENSION = native_ops.Extension(
     name=EXT_NAME,
     source=_SOURCE,
