@@ -1,5 +1,6 @@
-"""CPU kernels in C++: paged decode attention that reads each sequence's K/V blocks in place, and the
-small ops of a decoder layer (RMSNorm, residual add + RMSNorm, SiLU x up, RoPE in place).
+"""CPU kernels in C++: paged decode attention that reads each sequence's K/V blocks in place, the small ops
+of a decoder layer (RMSNorm, residual add + RMSNorm, SiLU x up, RoPE in place) and greedy sampling's pick
+(argmax and its log-probability in two passes, `greedy_pick`).
 
 The torch decode path (`attention._torch_decode`) gathers every sequence's blocks into a padded
 [B, max_blocks * block_size, KVH, D] copy on every layer of every decode step and then runs masked SDPA.

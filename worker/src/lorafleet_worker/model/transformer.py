@@ -3,7 +3,9 @@
 The forward pass runs over a flattened ragged batch (`forward_batch.py`): decode tokens of running
 sequences first (one token each), then prefill chunks. Each layer writes its K/V into the paged cache
 and attends over it (`attention.py`). Projections are fused (qkv, gate_up) and each of the four
-projection groups applies the step's LoRA adapters through the LoRA backend.
+projection groups applies the step's LoRA adapters through the LoRA backend. A decode-only step on CPU
+(the one-user case) runs the same ops through a lean loop over per-layer plans (`CpuDecodeLayer`,
+`_decode_on_cpu`) instead of `DecoderLayer.forward`: the same logits, without its Python per op.
 """
 
 from __future__ import annotations
