@@ -92,15 +92,18 @@ def test_model_with_and_without_the_fused_ops(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: qkv bias; qwen3: per-head q/k norms
+@pytest.mark.parametrize("linears", ["panel", "onednn", "torch"])  # LORAFLEET_CPU_LINEAR: every base GEMM path
 def test_decode_fast_path_gives_the_bits_of_the_layer_forward(
-    tiny_models: Any, monkeypatch: pytest.MonkeyPatch, arch: str, dtype: torch.dtype
+    tiny_models: Any, monkeypatch: pytest.MonkeyPatch, arch: str, dtype: torch.dtype, linears: str
 ) -> None:
     """A decode-only CPU step runs the lean loop over `CpuDecodeLayer`s, with the same logits, bit for bit,
-    as `DecoderLayer.forward` (what instrumentation that turns `direct_linears` off times instead)."""
-    from lorafleet_worker.model import cpu_gemm
+    as `DecoderLayer.forward` (what instrumentation that turns `direct_linears` off times instead), whichever
+    path serves the base GEMMs."""
+    from lorafleet_worker.model import cpu_gemm, cpu_linear
 
-    if not cpu_gemm.available():
-        pytest.skip("the panel GEMM does not build: no direct GEMMs, no fast path")
+    if linears == "panel" and not cpu_gemm.available():
+        pytest.skip("the panel GEMM does not build here")
+    monkeypatch.setenv(cpu_linear.ENV, linears)
     model = Transformer.from_pretrained(Path(tiny_models[arch]), dtype=dtype, attn_backend="cpu")
     torch.manual_seed(0)
     for name, param in model.named_parameters():

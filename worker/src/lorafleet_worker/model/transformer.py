@@ -127,6 +127,16 @@ class DecoderLayer(nn.Module):
             lora.apply(self.idx, group, x, out)
         return out
 
+    def _matmul_2d(self, group: str) -> Matmul2d:
+        """The group's base GEMM for a 2-D x: the panel kernel's own op where the weight is in panels, else
+        `base_linear` with the oneDNN-packed, quantized or dense weight (the choice `_proj` makes per call)."""
+        packed = self.packed.get(group)
+        direct: Matmul2d | None = getattr(packed, "matmul_2d", None)
+        if direct is not None:
+            return direct
+        w = getattr(self, f"{group}_w")
+        return lambda x, b: base_linear(x, w, b, packed)
+
     def forward(
         self,
         h: Tensor,
@@ -185,12 +195,9 @@ class DecoderLayer(nn.Module):
             q, k, v, kv.k_caches[self.idx], kv.v_caches[self.idx], batch, self.scale, backend, self.window
         )
 
-    def cpu_decode(self) -> CpuDecodeLayer | None:
-        """This layer's `CpuDecodeLayer`; None where a projection has no direct panel GEMM (oneDNN, F.linear)."""
-        mm = {g: getattr(self.packed.get(g), "matmul_2d", None) for g in GROUPS}
-        qkv, o, gate_up, down = (mm[g] for g in GROUPS)
-        if qkv is None or o is None or gate_up is None or down is None:
-            return None
+    def cpu_decode(self) -> CpuDecodeLayer:
+        """This layer's `CpuDecodeLayer`."""
+        qkv, o, gate_up, down = (self._matmul_2d(g) for g in GROUPS)
         qn, kn = self.q_norm, self.k_norm
         return CpuDecodeLayer(
             self.idx, self.attn_norm.weight, self.attn_norm.eps, qkv, self.qkv_b,
@@ -308,12 +315,12 @@ class Transformer(nn.Module):
         return cache[0][positions], cache[1][positions]
 
     def cpu_decode_layers(self) -> list[CpuDecodeLayer] | None:
-        """Every layer's `CpuDecodeLayer` (built once), or None where some layer has none."""
+        """Every layer's `CpuDecodeLayer` (built once), or None where some layer is not a `DecoderLayer`."""
         if self._cpu_decode is None:
-            layers = [layer.cpu_decode() for layer in self._decoder_layers()]
-            if len(layers) != len(self.layers) or any(layer is None for layer in layers):
+            layers = self._decoder_layers()
+            if len(layers) != len(self.layers):
                 return None
-            self._cpu_decode = [layer for layer in layers if layer is not None]
+            self._cpu_decode = [layer.cpu_decode() for layer in layers]
         return self._cpu_decode
 
     def pack_weights(self) -> int:
