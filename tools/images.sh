@@ -52,6 +52,18 @@ else
   export DOCKER_BUILDKIT=1
 fi
 
+# -- disk -----------------------------------------------------------------------------------------------
+# A worker build needs ~7 GB and `make e2e-kind` twice that again (the image archive, the node's unpacked
+# copy). Below MIN_FREE_GB free, untagged images (earlier builds, their build-stage layers) are pruned first.
+min_free=${MIN_FREE_GB:-30}
+store=$(if [ "$engine" = podman ]; then podman info --format '{{.Store.GraphRoot}}'; else docker info --format '{{.DockerRootDir}}'; fi 2>/dev/null || echo /)
+free_gb() { df -P -BG "$store" 2>/dev/null | awk 'NR == 2 {print int($4)}'; }
+if [ -n "$(free_gb)" ] && [ "$(free_gb)" -lt "$min_free" ]; then
+  echo "==> $(free_gb) GB free for images in $store (under $min_free): pruning untagged images"
+  "$engine" image prune -f >/dev/null || true
+  echo "==> $(free_gb) GB free now"
+fi
+
 # -- build ----------------------------------------------------------------------------------------------
 for image in "${images[@]}"; do
   case $image in
@@ -62,6 +74,13 @@ for image in "${images[@]}"; do
   esac
   start=$(date +%s)
   echo "==> $tag ($file)"
+  before=$("$engine" image inspect --format '{{.Id}}' "$tag" 2>/dev/null || true)
   "$engine" build "${engine_args[@]}" "${build_args[@]}" "${secrets[@]}" "${extra[@]}" -f "$file" -t "$tag" .
   echo "==> $tag built in $(( $(date +%s) - start )) s"
+  # The image the tag named before is untagged now: a worker image is ~6 GB, and every rebuild after a code
+  # change left one behind until the disk filled. Removed unless a container or another tag still uses it.
+  after=$("$engine" image inspect --format '{{.Id}}' "$tag")
+  if [ -n "$before" ] && [ "$before" != "$after" ] && "$engine" rmi "$before" >/dev/null 2>&1; then
+    echo "==> removed the previous $tag (${before:0:12})"
+  fi
 done

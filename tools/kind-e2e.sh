@@ -123,6 +123,10 @@ kubeadmConfigPatches:
       imageTag: "$COREDNS_VERSION"
 EOF
 [ "$node_image" = "$OFFICIAL_NODE" ] && sed -i '/^kubeadmConfigPatches:/,$d' "$STATE/cluster.yaml"
+# what the node will have (a CI failure's first question): memory and the image store's free disk
+store="$("$engine" info --format '{{.Store.GraphRoot}}' 2>/dev/null || echo /var/lib/containers)"
+log "host: $(awk '/MemAvailable/ {printf "%.1f", $2 / 1048576}' /proc/meminfo) GiB memory available," \
+  "$(df -h --output=avail "$store" 2>/dev/null | tail -1 | tr -d ' ') free for images ($store)"
 log "kind create cluster $CLUSTER"
 kind_ create cluster --name "$CLUSTER" --image "$node_image" --config "$STATE/cluster.yaml" \
   --kubeconfig "$STATE/kubeconfig" --wait 300s
@@ -141,6 +145,14 @@ rm -f "$archive"
 gateway="$(in_ns "$engine" network inspect kind --format '{{range .Subnets}}{{.Gateway}} {{end}}' |
   tr ' ' '\n' | grep -F . | head -1)"
 log "pytest (test servers for pods on $gateway)"
+rc=0
 in_ns env LORAFLEET_E2E_CLUSTER=kubeconfig KUBECONFIG="$STATE/kubeconfig" LORAFLEET_E2E_HOST_ADDRESS="$gateway" \
   LORAFLEET_E2E_MINIO_IMAGE="$MINIO_IMAGE" IMAGE_TAG="$IMAGE_TAG" \
-  "$PY" -m pytest "${tests[@]}"
+  "$PY" -m pytest "${tests[@]}" || rc=$?
+if [ "$rc" -ne 0 ]; then   # CI keeps a log's tail: the cluster as the failure left it, last
+  log "pytest failed (exit $rc); the node and every pod now:"
+  in_ns "$KUBECTL" --kubeconfig "$STATE/kubeconfig" get nodes,pods --all-namespaces -o wide >&2 || true
+  in_ns "$KUBECTL" --kubeconfig "$STATE/kubeconfig" get events --all-namespaces --field-selector type=Warning \
+    --sort-by .lastTimestamp 2>/dev/null | tail -15 >&2 || true
+fi
+exit "$rc"

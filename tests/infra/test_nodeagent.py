@@ -511,3 +511,26 @@ def test_logs_default_to_the_app_container_not_the_init_container(cluster: TestC
     assert "said by init" not in out
     assert "said by init" in cluster.logs(ns, "two", "a-init")
     cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def test_a_pod_report_names_what_a_pod_waits_on(cluster: TestCluster) -> None:
+    """A failed rollout's message (Release.apply_values) says which pod is not ready and why."""
+    ns = cluster.new_namespace("report")
+    shell = {"image": "busybox:1.36"}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "dies", "namespace": ns},
+        "spec": {"containers": [{**shell, "name": "main", "command": ["sh", "-c", "echo cannot open config; exit 3"]}]},
+    }
+    _apply(cluster, pod)
+
+    def restarted() -> str | None:
+        report = cluster.pod_report(ns)
+        return report if "last exit 3" in report else None
+
+    report = wait_until(restarted, 90, "the container's first exit in the report")
+    assert "pod dies: " in report and "container main: " in report
+    assert "| cannot open config" in report
+    cluster.kubectl("delete", "namespace", ns, "--wait=false")
+    assert "every pod in" in cluster.pod_report(cluster.new_namespace("empty"))

@@ -173,6 +173,43 @@ class TestCluster:
         extra = ["-c", container] if container else []
         return self.kubectl("logs", "-n", namespace, pod, *extra, check=False).stdout
 
+    def pod_report(self, namespace: str, log_lines: int = 15) -> str:
+        """What keeps a namespace's pods from being ready, for a failed wait's message: each pod
+        not ready with its phase and container states, the log tail of a container that has
+        exited, the namespace's Warning events, and every node not Ready."""
+        lines: list[str] = []
+        for node in self.get("/api/v1/nodes")["items"]:
+            ready = {c["type"]: c for c in node.get("status", {}).get("conditions", [])}.get("Ready", {})
+            if ready.get("status") != "True":
+                lines.append(f"node {node['metadata']['name']} not Ready: {ready.get('message', '')}")
+        for pod in self.get(f"/api/v1/namespaces/{namespace}/pods")["items"]:
+            name, status = pod["metadata"]["name"], pod.get("status", {})
+            conditions = {c["type"]: c for c in status.get("conditions", [])}
+            if conditions.get("Ready", {}).get("status") == "True":
+                continue
+            scheduled = conditions.get("PodScheduled", {})
+            lines.append(
+                f"pod {name}: {status.get('phase')}"
+                + (f", unscheduled: {scheduled.get('message', '')}" if scheduled.get("status") == "False" else "")
+            )
+            for cs in status.get("initContainerStatuses", []) + status.get("containerStatuses", []):
+                state: JSON = cs.get("state") or {"unknown": {}}
+                kind, detail = next(iter(state.items()))
+                last = cs.get("lastState", {}).get("terminated")
+                lines.append(
+                    f"  container {cs['name']}: {kind} {detail.get('reason', '')} {detail.get('message', '')}".rstrip()
+                    + f", restarts {cs.get('restartCount', 0)}"
+                    + (f", last exit {last.get('exitCode')} {last.get('reason', '')}" if last else "")
+                )
+                if last or kind == "terminated":
+                    tail = self.logs(namespace, name, cs["name"]).strip().splitlines()[-log_lines:]
+                    lines.extend(f"    | {line}" for line in tail)
+        events = self.get(f"/api/v1/namespaces/{namespace}/events", fieldSelector="type=Warning")["items"]
+        for event in events[-10:]:
+            obj = event.get("involvedObject", {})
+            lines.append(f"event {obj.get('kind')}/{obj.get('name')} {event.get('reason')}: {event.get('message', '')}")
+        return "\n".join(lines) or f"every pod in {namespace} is ready"
+
     def close(self) -> None:
         for proc in self._forwards:
             proc.terminate()

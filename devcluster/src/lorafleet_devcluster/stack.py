@@ -93,6 +93,10 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
     )
 
 
+class RolloutError(RuntimeError):
+    """A release did not become ready; the message says which pods wait on what."""
+
+
 @dataclass
 class Release:
     """One Helm release of the chart in `namespace`."""
@@ -116,9 +120,14 @@ class Release:
         also until every Deployment is fully rolled out (helm's --wait accepts `replicas - maxUnavailable`)."""
         self.values = copy.deepcopy(dict(values))
         waiting = ["--wait", "--timeout", timeout] if wait else []
-        self.helm("upgrade", "--install", self.name, str(CHART), *waiting, *values_args(self.values))
-        if wait:
-            wait_for(self.rolled_out, float(timeout.rstrip("s")), "every Deployment rolled out")
+        try:
+            self.helm("upgrade", "--install", self.name, str(CHART), *waiting, *values_args(self.values))
+            if wait:
+                wait_for(self.rolled_out, float(timeout.rstrip("s")), "every Deployment rolled out")
+        except (subprocess.CalledProcessError, TimeoutError) as err:
+            if not wait:
+                raise
+            raise RolloutError(f"{err}\n{self.cluster.pod_report(self.namespace)}") from err
 
     def rolled_out(self) -> bool:
         """Every Deployment of the release has all its replicas updated and ready, and no old pod left."""
