@@ -488,20 +488,19 @@ def test_deletion_escalates_to_sigkill_and_unknown_images_wait(cluster: TestClus
     cluster.kubectl("delete", "namespace", ns, "--wait=false")
 
 
+def _shell_pod(ns: str, name: str, *, main: str, init: str | None = None) -> JSON:
+    """A busybox pod whose container `main` (and init container `a-init`) runs a shell script."""
+    shell = {"image": "busybox:1.36"}
+    spec: JSON = {"containers": [{**shell, "name": "main", "command": ["sh", "-c", main]}]}
+    if init is not None:
+        spec["initContainers"] = [{**shell, "name": "a-init", "command": ["sh", "-c", init]}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns}, "spec": spec}
+
+
 def test_logs_default_to_the_app_container_not_the_init_container(cluster: TestCluster) -> None:
     """As `kubectl logs` does: the soak's not-Ready diagnostics read a worker's log this way."""
     ns = cluster.new_namespace("logs")
-    shell = {"image": "busybox:1.36"}
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "two", "namespace": ns},
-        "spec": {
-            "initContainers": [{**shell, "name": "a-init", "command": ["sh", "-c", "echo said by init"]}],
-            "containers": [{**shell, "name": "main", "command": ["sh", "-c", "echo said by main; sleep 600"]}],
-        },
-    }
-    _apply(cluster, pod)
+    _apply(cluster, _shell_pod(ns, "two", main="echo said by main; sleep 600", init="echo said by init"))
 
     def main_said() -> str | None:
         text = cluster.logs(ns, "two")
@@ -516,14 +515,7 @@ def test_logs_default_to_the_app_container_not_the_init_container(cluster: TestC
 def test_a_pod_report_names_what_a_pod_waits_on(cluster: TestCluster) -> None:
     """A failed rollout's message (Release.apply_values) says which pod is not ready and why."""
     ns = cluster.new_namespace("report")
-    shell = {"image": "busybox:1.36"}
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "dies", "namespace": ns},
-        "spec": {"containers": [{**shell, "name": "main", "command": ["sh", "-c", "echo cannot open config; exit 3"]}]},
-    }
-    _apply(cluster, pod)
+    _apply(cluster, _shell_pod(ns, "dies", main="echo cannot open config; exit 3"))
 
     def restarted() -> str | None:
         report = cluster.pod_report(ns)
