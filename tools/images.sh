@@ -56,7 +56,7 @@ fi
 # A worker build needs ~7 GB and `make e2e-kind` twice that again (the image archive, the node's unpacked
 # copy). Below MIN_FREE_GB free, untagged images (earlier builds, their build-stage layers) are pruned first.
 min_free=${MIN_FREE_GB:-30}
-store=$(if [ "$engine" = podman ]; then podman info --format '{{.Store.GraphRoot}}'; else docker info --format '{{.DockerRootDir}}'; fi 2>/dev/null || echo /)
+store=$(tools/image-store.sh "$engine")
 free_gb() { df -P -BG "$store" 2>/dev/null | awk 'NR == 2 {print int($4)}'; }
 if [ -n "$(free_gb)" ] && [ "$(free_gb)" -lt "$min_free" ]; then
   echo "==> $(free_gb) GB free for images in $store (under $min_free): pruning untagged images"

@@ -124,7 +124,7 @@ kubeadmConfigPatches:
 EOF
 [ "$node_image" = "$OFFICIAL_NODE" ] && sed -i '/^kubeadmConfigPatches:/,$d' "$STATE/cluster.yaml"
 # what the node will have (a CI failure's first question): memory and the image store's free disk
-store="$("$engine" info --format '{{.Store.GraphRoot}}' 2>/dev/null || echo /var/lib/containers)"
+store="$(tools/image-store.sh "$engine")"
 log "host: $(awk '/MemAvailable/ {printf "%.1f", $2 / 1048576}' /proc/meminfo) GiB memory available," \
   "$(df -h --output=avail "$store" 2>/dev/null | tail -1 | tr -d ' ') free for images ($store)"
 log "kind create cluster $CLUSTER"

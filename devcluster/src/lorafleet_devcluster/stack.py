@@ -127,7 +127,11 @@ class Release:
         except (subprocess.CalledProcessError, TimeoutError) as err:
             if not wait:
                 raise
-            raise RolloutError(f"{err}\n{self.cluster.pod_report(self.namespace)}") from err
+            try:
+                report = self.cluster.pod_report(self.namespace)
+            except Exception as failed:  # the API may be what is down: keep the first error in front
+                report = f"(no pod report: {failed!r})"
+            raise RolloutError(f"{err}\n{report}") from err
 
     def rolled_out(self) -> bool:
         """Every Deployment of the release has all its replicas updated and ready, and no old pod left."""
