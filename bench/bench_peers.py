@@ -17,8 +17,15 @@ agreement (a few real-text prompts, base and up to four adapters), then times co
 on each server in turn (interleaved when `--rounds` > 1): output tokens per second of wall time
 (prefill included), TTFT and inter-token latency p50/p99, and the server's peak RSS.
 
+`--paired N` measures each concurrency differently: both servers stay up (the idle one waits on its socket; the
+CPU seconds it spends meanwhile are recorded, so "alone" is checked), and N passes of each alternate A B B A ...,
+a pass on one server right after the same pass on the other. Each pair gives a ratio of ITL p50 (and of tok/s);
+the report is the median ratio with a bootstrap 95 % interval. On a VM whose speed drifts by ±15 % over minutes,
+this compares the servers under the same drift, where separate rounds compare two moments.
+
     python bench/bench_peers.py                      # writes bench/peers.json
     python bench/bench_peers.py --pairs f32:F32 --scenarios base one --concurrency 1
+    python bench/bench_peers.py --pairs bf16:BF16 --scenarios base one --concurrency 1 --paired 24
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import asyncio
 import itertools
 import json
 import os
+import random
+import statistics
 import subprocess
 import tempfile
 import time
@@ -128,6 +137,26 @@ class Server:
         except OSError:
             pass
         return None
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) that the server's process and its live descendants have used."""
+        tick = os.sysconf("SC_CLK_TCK")
+        children: dict[int, list[int]] = {}
+        used: dict[int, int] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            pid = int(stat.parent.name)
+            children.setdefault(int(fields[1]), []).append(pid)  # fields[1] is the ppid
+            used[pid] = int(fields[11]) + int(fields[12])  # utime + stime
+        total, todo = 0, [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            total += used.get(pid, 0)
+            todo.extend(children.get(pid, []))
+        return total / tick
 
 
 def start_lorafleet(
@@ -293,6 +322,23 @@ def run_pair(
         "lorafleet": lambda: start_lorafleet(model, adapters, precision, workdir, args.threads),
         "llama.cpp": lambda: start_llama(base, adapters, ggufs, workdir, f"{ftype}-{scenario}", args.threads),
     }
+    if args.paired:
+        servers: dict[str, Server] = {}
+        try:
+            for system, start in starts.items():
+                log(f"{pair} {scenario}: starting {system}")
+                servers[system] = start()
+            if args.check:
+                texts = {system: asyncio.run(_texts(sv, names, check_prompts)) for system, sv in servers.items()}
+                result["greedy"] = _agreement(texts, names)
+            names_of = [name for name, _ in adapters]
+            for c in args.concurrency:
+                result.setdefault("paired", {})[str(c)] = paired_passes(servers, c, args.paired, vocab, names_of)
+            result["peak_rss_mib"] = {system: sv.peak_rss_mib() for system, sv in servers.items()}
+        finally:
+            for sv in servers.values():
+                stop(sv)
+        return result
     for rnd in range(args.rounds):
         order = ["lorafleet", "llama.cpp"] if rnd % 2 == 0 else ["llama.cpp", "lorafleet"]
         for system in order:
@@ -305,7 +351,7 @@ def run_pair(
                 for c in args.concurrency:
                     n = max(4, c)
                     prompts = random_prompts(n, seed=1000 * rnd + c, vocab=vocab)
-                    picks: list[str | None] = [adapters[i % len(adapters)][0] if adapters else None for i in range(n)]
+                    picks = adapter_picks([name for name, _ in adapters], n)
                     asyncio.run(timed_pass(server, prompts[:1], picks[:1], 1))  # warm-up (adapter into a slot)
                     got = asyncio.run(timed_pass(server, prompts, picks, c))
                     runs.setdefault(str(c), []).append(got)
@@ -316,6 +362,56 @@ def run_pair(
     if "check_texts" in result and len(result["check_texts"]) == 2:
         result["greedy"] = _agreement(result.pop("check_texts"), names)
     return result
+
+
+def adapter_picks(names: list[str], n: int) -> list[str | None]:
+    """The adapter of each of `n` requests: `names` round-robin, or the base model when there are none."""
+    return [names[i % len(names)] if names else None for i in range(n)]
+
+
+def paired_passes(servers: dict[str, Server], c: int, n: int, vocab: int, adapters: list[str]) -> dict[str, Any]:
+    """`n` passes of `max(4, c)` requests (one for c = 1) on each server, alternating A B B A ...; each pass's
+    prompts are the same for both. Ratios are lorafleet ÷ llama.cpp per pair: median and bootstrap 95 % interval."""
+    size = 1 if c == 1 else max(4, c)
+    picks = adapter_picks(adapters, size)
+    for sv in servers.values():  # warm-up: an adapter into a slot, the first-request costs
+        asyncio.run(timed_pass(sv, random_prompts(1, seed=7, vocab=vocab), picks[:1], 1))
+    passes: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
+    for i in range(n):
+        prompts = random_prompts(size, seed=10_000 + 100 * c + i, vocab=vocab)
+        order = ["lorafleet", "llama.cpp"] if i % 4 in (0, 3) else ["llama.cpp", "lorafleet"]
+        for system in order:
+            idle = next(sv for name, sv in servers.items() if name != system)
+            idle_before = idle.cpu_s()
+            got = asyncio.run(timed_pass(servers[system], prompts, picks, c))
+            got["idle_peer_cpu_s"] = round(idle.cpu_s() - idle_before, 3)
+            passes[system].append(got)
+        a, b = passes["lorafleet"][-1], passes["llama.cpp"][-1]
+        log(f"  c={c} pair {i + 1}/{n}: ITL p50 {a['itl_p50_ms']} vs {b['itl_p50_ms']} ms (load {b['loadavg_1']})")
+    ours, theirs = passes["lorafleet"], passes["llama.cpp"]
+    itl = [a["itl_p50_ms"] / b["itl_p50_ms"] for a, b in zip(ours, theirs, strict=True)]
+    tok = [a["tok_s"] / b["tok_s"] for a, b in zip(ours, theirs, strict=True)]
+    return {
+        "passes": passes,
+        "pairs": n,
+        "requests_per_pass": size,
+        "itl_ratio": ratio_summary(itl),
+        "tok_s_ratio": ratio_summary(tok),
+        "itl_p50_ms": {name: round(statistics.median(p["itl_p50_ms"] for p in ps), 2) for name, ps in passes.items()},
+        "idle_peer_cpu_s_max": max(p["idle_peer_cpu_s"] for ps in passes.values() for p in ps),
+    }
+
+
+def ratio_summary(ratios: list[float], resamples: int = 2000) -> dict[str, Any]:
+    """Median of paired ratios, with a percentile-bootstrap 95 % interval of the median (seeded)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return {
+        "median": round(statistics.median(ratios), 3),
+        "ci95": [round(medians[int(0.025 * resamples)], 3), round(medians[int(0.975 * resamples) - 1], 3)],
+        "below_1": sum(r < 1 for r in ratios),
+        "of": len(ratios),
+    }
 
 
 async def _texts(server: Server, names: list[str | None], prompts: list[list[int]]) -> list[str]:
@@ -344,6 +440,13 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """lorafleet / llama.cpp per (pair, scenario, concurrency): tok/s (best round) and ITL p50 ratios."""
     rows = []
     for r in results:
+        for c, p in r.get("paired", {}).items():
+            rows.append({
+                "pair": r["pair"], "scenario": r["scenario"], "concurrency": int(c), "paired": p["pairs"],
+                "lorafleet_itl_p50_ms": p["itl_p50_ms"]["lorafleet"], "llama_itl_p50_ms": p["itl_p50_ms"]["llama.cpp"],
+                "itl_ratio": p["itl_ratio"]["median"], "itl_ratio_ci95": p["itl_ratio"]["ci95"],
+                "tok_s_ratio": p["tok_s_ratio"]["median"], "tok_s_ratio_ci95": p["tok_s_ratio"]["ci95"],
+            })  # fmt: skip
         for c, ours in r["runs"].get("lorafleet", {}).items():
             theirs = r["runs"].get("llama.cpp", {}).get(c)
             if not theirs:
@@ -367,6 +470,8 @@ def main() -> None:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="per server (default: all CPUs)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds per server, interleaved (default 1)")
+    parser.add_argument("--paired", type=int, default=0, metavar="N",
+                        help="both servers up, N alternating passes each, ratios per pair (default: off)")  # fmt: skip
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the greedy agreement check")
     parser.add_argument("--out", default="peers", help="bench/<out>.json (default peers)")
     parser.add_argument("--merge", action="store_true", help="keep the other (pair, scenario) results of --out")
