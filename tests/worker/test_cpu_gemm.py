@@ -39,6 +39,33 @@ def test_panel_linear_matches_f_linear(weight: str, act: torch.dtype, rows: int)
     assert torch.equal(packed.matmul_2d(x, None), packed.matmul(x))
 
 
+@pytest.mark.parametrize("rows", [7, 32, 49, 130])
+@pytest.mark.parametrize("k", [301, 302, 600])
+def test_int8_weights_times_bf16_rows_in_int16(rows: int, k: int) -> None:
+    """int8 panels times more than one tile of bfloat16 rows take the integer kernel: each row rounded to int16
+    by its own scale, pairs of k multiplied by `vpmaddwd`. Against that rounding done here exactly, the output
+    differs by the bfloat16 output's rounding alone; odd K (a last k paired with zeros), K over two slices, a
+    zero row and a row with one large outlier."""
+    torch.manual_seed(k + rows)
+    w = torch.randn(37, k) * 0.1
+    scales = w.abs().amax(1) / 127
+    q = torch.round(w / scales[:, None]).to(torch.int8)
+    x = torch.randn(rows, k).bfloat16()
+    x[1] = 0
+    x[2, k // 3] = 300.0
+    got = cpu_gemm.pack(q, scales).matmul(x).float()
+    xf = x.double()
+    step = (xf.abs().amax(1, keepdim=True) / 32767).clamp_min(1e-30)
+    x16 = torch.round(xf / step) * step  # the kernel's int16 rows
+    ref = x16 @ (q.double() * scales.double()[:, None]).T
+    assert torch.equal(got[1], torch.zeros(37))
+    # the bfloat16 output's rounding (half an ulp is 2^-9 relative), plus float32 sums' rounding on the scale of
+    # the terms (a result near 0 from large terms of both signs)
+    dense = q.double() * scales.double()[:, None]
+    bound = ref.abs() * 2**-8 + (x16.abs() @ dense.abs().T) * 2**-18
+    assert ((got.double() - ref).abs() <= bound).all()
+
+
 def test_leading_dimensions_strides_and_bad_weights() -> None:
     w = torch.randn(20, 24)
     packed = cpu_gemm.pack(w)
