@@ -66,6 +66,32 @@ def test_int8_weights_times_bf16_rows_in_int16(rows: int, k: int) -> None:
     assert ((got.double() - ref).abs() <= bound).all()
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_split_weight_takes_panels_for_few_rows_and_onednn_for_more(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`split` mode: the same results as F.linear both sides of PANEL_MAX_ROWS, each side through its kernel."""
+    monkeypatch.setenv(cpu_linear.ENV, "split")
+    if dtype == torch.bfloat16 and cpu_linear.mode(dtype) != "split":
+        pytest.skip("oneDNN has no bfloat16 linear on this CPU")
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 70).to(dtype), torch.randn(40).to(dtype)
+    split = cpu_linear.pack(w)
+    assert isinstance(split, cpu_linear.SplitWeight)
+    assert split.nbytes >= 2 * w.numel() * w.element_size() and torch.equal(split.to_dense(), w)
+    calls: list[str] = []
+    monkeypatch.setattr(cpu_linear, "_onednn_linear", lambda x, p, bias: calls.append("onednn") or F.linear(x, w, bias))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in (1, cpu_linear.PANEL_MAX_ROWS, cpu_linear.PANEL_MAX_ROWS + 1, 33):
+        x = torch.randn(rows, 70).to(dtype)
+        ref = F.linear(x.float(), w.float(), b.float())
+        for got in (split.matmul(x, b), split.matmul_2d(x, b), cpu_linear.linear(x, w.new_empty(0), b, split)):
+            assert (got.float() - ref).abs().max() <= tol * ref.abs().max()
+        assert calls == (["onednn"] * 3 if rows > cpu_linear.PANEL_MAX_ROWS else [])
+        calls.clear()
+
+
 def test_leading_dimensions_strides_and_bad_weights() -> None:
     w = torch.randn(20, 24)
     packed = cpu_gemm.pack(w)
@@ -92,10 +118,16 @@ def test_mode_follows_the_cpu_and_the_switch(monkeypatch: pytest.MonkeyPatch) ->
     assert cpu_linear.mode(torch.float32) == "panel"  # no AVX-512: the panel kernel
     assert cpu_linear.mode(torch.float64) == "torch"
     monkeypatch.setattr(native_ops, "cpu_flags", lambda cpuinfo=None: {"avx2", "fma", "avx512f"})
-    assert cpu_linear.mode(torch.float32) == ("onednn" if onednn else "panel")  # oneDNN's AVX-512 kernels
+    # AVX-512: panels for decode rows, oneDNN's 512-bit kernels above (both layouts, twice the memory)
+    assert cpu_linear.mode(torch.float32) == ("split" if onednn else "panel")
+    assert cpu_linear.layouts(torch.float32) == (2 if onednn else 1)
+    if onednn:
+        assert isinstance(cpu_linear.pack(torch.randn(4, 4)), cpu_linear.SplitWeight)
     monkeypatch.setenv("LORAFLEET_CPU_LINEAR", "panel")
-    assert cpu_linear.mode(torch.float32) == "panel"
+    assert cpu_linear.mode(torch.float32) == "panel" and cpu_linear.layouts(torch.float32) == 1
     assert isinstance(cpu_linear.pack(torch.randn(4, 4)), cpu_gemm.PanelWeight)
+    monkeypatch.setenv("LORAFLEET_CPU_LINEAR", "split")
+    assert cpu_linear.mode(torch.float32) == ("split" if onednn else "panel")
     monkeypatch.setenv("LORAFLEET_CPU_LINEAR", "onednn")
     assert cpu_linear.mode(torch.float32) == ("onednn" if onednn else "torch")
     monkeypatch.setenv("LORAFLEET_CPU_LINEAR", "torch")

@@ -92,7 +92,7 @@ def test_model_with_and_without_the_fused_ops(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: qkv bias; qwen3: per-head q/k norms
-@pytest.mark.parametrize("linears", ["panel", "onednn", "torch"])  # LORAFLEET_CPU_LINEAR: every base GEMM path
+@pytest.mark.parametrize("linears", ["panel", "split", "onednn", "torch"])  # LORAFLEET_CPU_LINEAR: every GEMM path
 def test_decode_fast_path_gives_the_bits_of_the_layer_forward(
     tiny_models: Any, monkeypatch: pytest.MonkeyPatch, arch: str, dtype: torch.dtype, linears: str
 ) -> None:
@@ -101,7 +101,7 @@ def test_decode_fast_path_gives_the_bits_of_the_layer_forward(
     path serves the base GEMMs."""
     from lorafleet_worker.model import cpu_gemm, cpu_linear
 
-    if linears == "panel" and not cpu_gemm.available():
+    if linears in ("panel", "split") and not cpu_gemm.available():
         pytest.skip("the panel GEMM does not build here")
     monkeypatch.setenv(cpu_linear.ENV, linears)
     model = Transformer.from_pretrained(Path(tiny_models[arch]), dtype=dtype, attn_backend="cpu")

@@ -123,11 +123,16 @@ def fmt_bytes(n: float) -> str:
 
 
 def weight_bytes(
-    config: ModelConfig, dtype: torch.dtype, packed_head_copy: bool = False, quantization: str | None = None
+    config: ModelConfig,
+    dtype: torch.dtype,
+    packed_head_copy: bool = False,
+    quantization: str | None = None,
+    layouts: int = 1,
 ) -> int:
     """Bytes of the base model's weights in `dtype` (from the config; biases and norms included).
 
     `packed_head_copy`: a tied lm_head also has a packed copy beside the embedding (CPU, `model/cpu_linear.py`).
+    `layouts`: each projection and the lm_head are held in this many packed layouts (2: `cpu_linear`'s split).
     `quantization`: the projections and the lm_head are held quantized (`model/quantization.py`); a tied
     lm_head's quantized copy sits beside the embedding.
     """
@@ -136,8 +141,8 @@ def weight_bytes(
     small = 2 * h + (q + 2 * kv if config.attention_bias else 0) + (2 * config.head_dim if config.qk_norm else 0)
     vocab = config.vocab_size
     if quantization is None:
-        per_layer = sum(o * i for o, i in linears) * dtype.itemsize
-        head_copies = 0 if config.tie_word_embeddings and not packed_head_copy else 1
+        per_layer = layouts * sum(o * i for o, i in linears) * dtype.itemsize
+        head_copies = 0 if config.tie_word_embeddings and not packed_head_copy else layouts
         head = head_copies * vocab * h * dtype.itemsize
     else:
         from lorafleet_worker.model.quantization import quantized_nbytes

@@ -9,13 +9,18 @@ blocked layout for this CPU's ISA) and called through `mkldnn._linear_pointwise`
 (3x at M = 8, 1.15x at M = 2048), bfloat16 1.5x at M = 32; the 14 layers of the 97M bench model at
 M = 32: 67.5 -> 33.0 ms float32, 27.6 -> 18.0 ms bfloat16.
 
-`mode(dtype)` picks one layout per weight (keeping both would double the weights' memory):
+`mode(dtype)` picks the layout of every weight:
 - `panel` on CPUs without AVX-512: measured there as fast as oneDNN from M = 128 up and faster below
   (1.1-1.4x at M = 1-32, float32), and the only fast bfloat16 path where oneDNN has no bfloat16 kernel;
-- `onednn` on AVX-512 CPUs, whose oneDNN kernels use the 512-bit units (and AMX / AVX512-BF16 for bfloat16)
-  that the panel kernel does not;
+- `split` on AVX-512 CPUs: each weight in both layouts (`SplitWeight`, twice the linears' memory), panels for
+  up to PANEL_MAX_ROWS rows and oneDNN above. Measured on a 2-core AVX512-BF16 EPYC (Zen 4), the 121 linears of
+  SmolLM2-135M: panels read a decode step's weights 1.6x faster at one row (bfloat16 8.5 vs 13.6 ms, float32
+  16.4 vs 24.6) and still win at 4 rows, while oneDNN's 512-bit and AVX512-BF16 kernels win from 6-8 rows up
+  (bfloat16 at 128 rows: 85.6 vs 195.7 ms). One user's decode and a prefill each get the faster kernel;
+- `onednn` where the panel kernel did not build (or asked for);
 - `torch` (`F.linear`) where neither can serve the dtype.
-`LORAFLEET_CPU_LINEAR` = `panel`, `onednn` or `torch` overrides the choice (`torch` turns packing off).
+`LORAFLEET_CPU_LINEAR` = `panel`, `split`, `onednn` or `torch` overrides the choice (`torch` turns packing off;
+`panel` or `onednn` keeps one layout, half the memory of `split`).
 
 `pack(w)` returns the packed weight, or None where the chosen path cannot serve it (no mkldnn in this torch
 build, another device or dtype, or the probe call fails): the caller then keeps `F.linear`. `linear` also
@@ -24,8 +29,11 @@ serves a weight quantized by `--quantization` (`quantization.py`, CPU or CUDA) i
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +47,47 @@ from lorafleet_worker.model.quantization import QuantizedWeight
 log = logging.getLogger(__name__)
 
 ENV = "LORAFLEET_CPU_LINEAR"
-MODES = ("panel", "onednn", "torch")
-Packed = Tensor | PanelWeight | QuantizedWeight  # what `linear` reads in place of the dense weight
+MODES = ("panel", "split", "onednn", "torch")
+PANEL_MAX_ROWS = 4  # `split`: panels up to this many rows of x, oneDNN above (the crossover measured above)
+
+
+def _onednn_linear(x: Tensor, packed: Tensor, b: Tensor | None) -> Tensor:
+    out: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    return out
+
+
+@dataclass(frozen=True)
+class SplitWeight:
+    """One weight in both layouts (`split` mode): the panel kernel for up to PANEL_MAX_ROWS rows of x, oneDNN's
+    blocked layout for more. `to_dense` reads the panels."""
+
+    panel: PanelWeight
+    onednn: Tensor
+
+    def matmul(self, x: Tensor, b: Tensor | None = None) -> Tensor:
+        if x.numel() <= PANEL_MAX_ROWS * x.shape[-1]:
+            return self.panel.matmul(x, b)
+        return _onednn_linear(x, self.onednn, b)
+
+    @functools.cached_property
+    def matmul_2d(self) -> Callable[[Tensor, Tensor | None], Tensor]:
+        """`matmul` for a 2-D x (the decoder layer's direct call)."""
+        panel, onednn = self.panel.matmul_2d, self.onednn
+
+        def run(x: Tensor, b: Tensor | None) -> Tensor:
+            return panel(x, b) if x.shape[0] <= PANEL_MAX_ROWS else _onednn_linear(x, onednn, b)
+
+        return run
+
+    def to_dense(self) -> Tensor:
+        return self.panel.to_dense()
+
+    @property
+    def nbytes(self) -> int:
+        return self.panel.nbytes + self.onednn.numel() * self.onednn.element_size()
+
+
+Packed = Tensor | PanelWeight | SplitWeight | QuantizedWeight  # what `linear` reads in place of the dense weight
 
 
 def enabled() -> bool:
@@ -64,10 +111,18 @@ def mode(dtype: torch.dtype) -> str:
     onednn = _onednn_serves(dtype)
     if asked == "onednn":
         return "onednn" if onednn else "torch"
-    wants_panel = asked == "panel" or not (onednn and "avx512f" in native_ops.cpu_flags())
-    if wants_panel and cpu_gemm.available():
+    if cpu_gemm.available():
+        if asked == "panel" or not onednn:
+            return "panel"
+        if asked == "split" or "avx512f" in native_ops.cpu_flags():
+            return "split"
         return "panel"
     return "onednn" if onednn else "torch"
+
+
+def layouts(dtype: torch.dtype) -> int:
+    """How many packed copies each CPU weight of `dtype` has (2 in `split` mode), for the memory plan."""
+    return 2 if mode(dtype) == "split" else 1
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -75,8 +130,8 @@ def packs(dtype: torch.dtype) -> bool:
     return mode(dtype) != "torch"
 
 
-def pack(w: Tensor) -> Tensor | PanelWeight | None:
-    """`w` [out, in] in panels or reordered for oneDNN's linear, or None where `F.linear` has to stay."""
+def pack(w: Tensor) -> Tensor | PanelWeight | SplitWeight | None:
+    """`w` [out, in] in panels, reordered for oneDNN's linear or both, or None where `F.linear` has to stay."""
     if w.device.type != "cpu" or w.dim() != 2:
         return None
     chosen = mode(w.dtype)
@@ -84,6 +139,15 @@ def pack(w: Tensor) -> Tensor | PanelWeight | None:
         return cpu_gemm.pack(w)
     if chosen == "torch":
         return None
+    onednn = _onednn_pack(w)
+    if chosen == "split":
+        panel = cpu_gemm.pack(w)
+        return panel if onednn is None else SplitWeight(panel, onednn)
+    return onednn
+
+
+def _onednn_pack(w: Tensor) -> Tensor | None:
+    """`w` reordered for oneDNN's linear and checked by one probe call; None where that fails."""
     try:
         packed: Tensor = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
         probe = torch.ones(2, w.shape[1], dtype=w.dtype)
@@ -91,7 +155,7 @@ def pack(w: Tensor) -> Tensor | PanelWeight | None:
         if got.shape != (2, w.shape[0]) or not torch.allclose(got.float(), F.linear(probe, w).float(), 1e-2, 1e-2):
             raise RuntimeError("the packed weight's probe disagrees with F.linear")
     except Exception as exc:  # an op missing or failing in this build: the plain path still works
-        log.warning("oneDNN prepacked linear unavailable (%s); base GEMMs use F.linear", exc)
+        log.warning("oneDNN prepacked linear unavailable (%s); base GEMMs use panels or F.linear", exc)
         return None
     return packed
 
@@ -100,13 +164,14 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None, packed: Packed | None) -> Ten
     """x @ w.T + b, through the packed (or quantized) weight when there is one."""
     if packed is None:
         return F.linear(x, w, b)
-    if isinstance(packed, PanelWeight):
+    if isinstance(packed, PanelWeight | SplitWeight):
         return packed.matmul(x, b)
     if isinstance(packed, QuantizedWeight):
         y = packed.matmul(x)
         return y if b is None else y + b
-    out: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-    return out
+    return _onednn_linear(x, packed, b)
 
 
-__all__ = ["ENV", "MODES", "Packed", "enabled", "linear", "mode", "pack", "packs"]
+__all__ = [
+    "ENV", "MODES", "PANEL_MAX_ROWS", "Packed", "SplitWeight", "enabled", "layouts", "linear", "mode", "pack", "packs",
+]  # fmt: skip
