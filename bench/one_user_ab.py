@@ -1,11 +1,12 @@
-"""One user (concurrency 1), two versions of the worker side by side: the installed checkout (A) against
-another checkout's worker code (B, e.g. a git worktree), interleaved rounds, the same prompts and server
-settings as `bench_peers.py` (the real model, 128-token prompts, 64 streamed tokens, greedy).
+"""Two versions of the worker side by side: the installed checkout (A) against another checkout's worker code
+(B, e.g. a git worktree), interleaved rounds, the same prompts and server settings as `bench_peers.py` (the real
+model, 128-token prompts, 64 streamed tokens, greedy); one user by default, `--concurrency` for more.
 
 B runs with `PYTHONPATH=<B>/worker/src:<B>/jobs/src`, ahead of the installed (editable) packages, so the
 comparison is one venv, one machine, one run: only the worker code differs.
 
     python bench/one_user_ab.py --b /work/wt --precisions bf16 int8 --scenarios base one --rounds 2
+    python bench/one_user_ab.py --b /work/wt --precisions int8 --scenarios base --concurrency 32
 """
 
 from __future__ import annotations
@@ -23,16 +24,20 @@ import bench_peers as peers
 from common import log, machine, real_model, write_json
 
 
-def one_pass(model: Path, trained: dict[str, Path], precision: str, scenario: str, workdir: Path) -> dict[str, Any]:
-    """Start a worker (this process's environment decides which code), warm up, time 4 requests at c = 1."""
+def one_pass(
+    model: Path, trained: dict[str, Path], precision: str, scenario: str, workdir: Path, c: int
+) -> dict[str, Any]:
+    """Start a worker (this process's environment decides which code), warm up, time max(4, c) requests at
+    concurrency c."""
     adapters = peers.scenario_adapters(scenario, model, trained)
     server = peers.start_lorafleet(model, adapters, precision, workdir, os.cpu_count() or 1)
     try:
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        prompts = peers.random_prompts(5, seed=1, vocab=vocab)
-        picks: list[str | None] = [adapters[0][0] if adapters else None] * 5
+        n = max(4, c) + 1
+        prompts = peers.random_prompts(n, seed=1, vocab=vocab)
+        picks = peers.adapter_picks([name for name, _ in adapters], n)
         asyncio.run(peers.timed_pass(server, prompts[:1], picks[:1], 1))  # warm-up (adapter into a slot)
-        return asyncio.run(peers.timed_pass(server, prompts[1:], picks[1:], 1))
+        return asyncio.run(peers.timed_pass(server, prompts[1:], picks[1:], c))
     finally:
         peers.stop(server)
 
@@ -43,6 +48,7 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="+", default=["bf16", "int8"], choices=sorted(peers.LORAFLEET_PRECISIONS))
     parser.add_argument("--scenarios", nargs="+", default=["base", "one"], choices=peers.SCENARIOS)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--out", default="one_user_ab", help="bench/<out>.json")
     args = parser.parse_args()
     model = real_model()
@@ -58,18 +64,20 @@ def main() -> None:
                         os.environ["PYTHONPATH"] = b_path
                     else:
                         os.environ.pop("PYTHONPATH", None)
-                    got = one_pass(model, trained, precision, scenario, workdir)
+                    got = one_pass(model, trained, precision, scenario, workdir, args.concurrency)
                     runs.setdefault(f"{precision} {scenario}", {}).setdefault(side, []).append(got)
-                    log(f"round {rnd + 1} {side} {precision} {scenario}: ITL p50 {got['itl_p50_ms']} ms")
+                    itl, tok_s = got["itl_p50_ms"], got["tok_s"]
+                    log(f"round {rnd + 1} {side} {precision} {scenario}: ITL p50 {itl} ms, {tok_s} tok/s")
     os.environ.pop("PYTHONPATH", None)
-    summary = {
-        key: {side: round(statistics.median(r["itl_p50_ms"] for r in got), 2) for side, got in sides.items()}
-        for key, sides in runs.items()
-    }
-    for key, s in summary.items():
-        s["B/A"] = round(s["B"] / s["A"], 3)
-        log(f"{key}: ITL p50 median A {s['A']} ms, B {s['B']} ms, B/A {s['B/A']}")
-    write_json(args.out, {"machine": machine(), "b": str(args.b), "runs": runs, "itl_p50_median_ms": summary})
+    summary: dict[str, dict[str, float]] = {}
+    for key, sides in runs.items():
+        s = summary[key] = {}
+        for metric in ("itl_p50_ms", "tok_s"):
+            a, b = (statistics.median(r[metric] for r in sides[side]) for side in ("A", "B"))
+            s[f"A {metric}"], s[f"B {metric}"], s[f"B/A {metric}"] = round(a, 2), round(b, 2), round(b / a, 3)
+        log(f"{key}: " + ", ".join(f"{k} {v}" for k, v in s.items()))
+    write_json(args.out, {"machine": machine(), "b": str(args.b), "concurrency": args.concurrency, "runs": runs,
+                          "medians": summary})  # fmt: skip
 
 
 if __name__ == "__main__":
