@@ -309,6 +309,7 @@ def run_pair(
     """Greedy check, then the timed passes, for one precision pair and scenario."""
     precision, ftype = pair.split(":")
     adapters = scenario_adapters(scenario, model, trained)
+    adapter_names = [name for name, _ in adapters]
     ggufs = [llama_cpp.adapter_gguf(path, model) for _, path in adapters]
     base = llama_cpp.base_gguf(ftype)
     names: list[str | None] = [None, *(n for n, _ in adapters[:CHECK_ADAPTERS])] if scenario != "base" else [None]
@@ -331,9 +332,8 @@ def run_pair(
             if args.check:
                 texts = {system: asyncio.run(_texts(sv, names, check_prompts)) for system, sv in servers.items()}
                 result["greedy"] = _agreement(texts, names)
-            names_of = [name for name, _ in adapters]
             for c in args.concurrency:
-                result.setdefault("paired", {})[str(c)] = paired_passes(servers, c, args.paired, vocab, names_of)
+                result.setdefault("paired", {})[str(c)] = paired_passes(servers, c, args.paired, vocab, adapter_names)
             result["peak_rss_mib"] = {system: sv.peak_rss_mib() for system, sv in servers.items()}
         finally:
             for sv in servers.values():
@@ -351,7 +351,7 @@ def run_pair(
                 for c in args.concurrency:
                     n = max(4, c)
                     prompts = random_prompts(n, seed=1000 * rnd + c, vocab=vocab)
-                    picks = adapter_picks([name for name, _ in adapters], n)
+                    picks = adapter_picks(adapter_names, n)
                     asyncio.run(timed_pass(server, prompts[:1], picks[:1], 1))  # warm-up (adapter into a slot)
                     got = asyncio.run(timed_pass(server, prompts, picks, c))
                     runs.setdefault(str(c), []).append(got)

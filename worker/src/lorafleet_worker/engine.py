@@ -254,7 +254,7 @@ class Engine:
                 self.dtype,
                 packed_head_copy=self.device.type == "cpu" and cpu_linear.packs(self.dtype),
                 quantization=self.quantization,
-                layouts=cpu_linear.layouts(self.dtype) if self.device.type == "cpu" and not self.quantization else 1,
+                layouts=cpu_linear.layouts(self.dtype) if self.device.type == "cpu" else 1,  # quantized: unused
             ),
             lora=self.manager.pool.nbytes if self.manager is not None else 0,
             activations=activation_bytes(

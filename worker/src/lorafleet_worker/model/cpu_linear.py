@@ -114,9 +114,7 @@ def mode(dtype: torch.dtype) -> str:
     if cpu_gemm.available():
         if asked == "panel" or not onednn:
             return "panel"
-        if asked == "split" or "avx512f" in native_ops.cpu_flags():
-            return "split"
-        return "panel"
+        return "split" if asked == "split" or "avx512f" in native_ops.cpu_flags() else "panel"
     return "onednn" if onednn else "torch"
 
 
