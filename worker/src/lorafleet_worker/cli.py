@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from lorafleet_worker import huge_pages
 from lorafleet_worker.kv_events import KVEventsConfig
 from lorafleet_worker.structured.tool_calls import PARSER_NAMES
 
@@ -26,6 +27,7 @@ environment:
                          or LORAFLEET_ADMIN_TOKEN_FILE)
   LORAFLEET_MAX_LOADED_LORAS  default for --max-loaded-loras
   LORAFLEET_FILE_ROOTS   directories file:// adapter sources may come from (os.pathsep-separated)
+  THP_MEM_ALLOC_ENABLE   1 (default): weights, KV cache and LoRA slots on 2 MB pages; 0: 4 KB pages
   AWS_*, HF_ENDPOINT, HF_TOKEN   credentials of s3:// and hf:// sources
 """
 
@@ -310,6 +312,7 @@ def _make_tiny_adapter(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    huge_pages.request()  # before torch allocates anything (`huge_pages.py`)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import importlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,6 +18,7 @@ from urllib.parse import quote
 from lorafleet_sync.errors import SourceError
 from lorafleet_sync.ids import lora_id
 
+from lorafleet_worker import huge_pages
 from lorafleet_worker.metrics import WorkerMetrics
 from lorafleet_worker.protocol import APIError, check_lora_name
 from lorafleet_worker.tokenizer import Tokenizer
@@ -175,6 +177,7 @@ class WorkerService:
         self._tokenizer, self._engine = tokenizer, engine
         self.metrics.ready.set(1)
         log.info("model %s ready in %.1fs", self.model_name, time.monotonic() - t0)
+        log.info(huge_pages.describe(os.environ, huge_pages.kernel_mode(), huge_pages.huge_bytes()))
 
     async def stop(self) -> None:
         engine, self._engine = self._engine, None
