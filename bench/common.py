@@ -13,10 +13,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lorafleet_worker import huge_pages
+
 CACHE = Path(os.environ.get("LORAFLEET_CACHE", Path.home() / ".cache" / "lorafleet")) / "bench"
 OUT_DIR = Path(__file__).resolve().parent
 if str(OUT_DIR.parent) not in sys.path:  # the repository root: `demo` prepares the real model and adapters
     sys.path.append(str(OUT_DIR.parent))
+
+# In-process engines run on 2 MB pages as the worker does (its entry point asks the same, `huge_pages.py`);
+# PyTorch reads the switch at its first allocation, so this module is imported before torch allocates.
+huge_pages.request()
 
 # ~97M parameters, Llama family, fp32: big enough that compute dominates on a CPU.
 BENCH_MODEL = dict(hidden_size=768, num_layers=14, num_heads=12, num_kv_heads=4, intermediate_size=2304, vocab_size=512)

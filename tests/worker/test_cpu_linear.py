@@ -58,3 +58,31 @@ def test_model_packs_on_cpu_and_keeps_its_state_dict(tiny_models: Any, monkeypat
     assert state.keys() == ref.keys()
     assert all(torch.equal(state[k], ref[k]) for k in ref)  # dense weights read back out of the packed ones
     assert model.weight_nbytes() >= plain.weight_nbytes()
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_the_model_reads_its_panels_from_one_arena_in_step_order(tiny_models: Any, quantization: str | None) -> None:
+    """`PanelArena`: every panel weight lies in one buffer, layer by layer and lm_head last, and computes the same."""
+    model = Transformer.from_pretrained(Path(tiny_models["llama"]), dtype="bfloat16")
+    if quantization:
+        model.quantize_weights(quantization)
+    weights = [p for layer in model.layers for p in layer.packed.values()] + [model.packed_head]
+    panels = [cpu_linear._panels(p) for p in weights]
+    if not all(t is not None for t in panels):
+        pytest.skip("the panel kernel does not serve every weight here")
+    tensors = [t for t in panels if t is not None]
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    assert len(storages) == 1  # one buffer
+    starts = [t.data_ptr() for t in tensors]
+    assert starts == sorted(starts) and all(s % cpu_linear.PanelArena.ALIGN == 0 for s in starts)
+    ends = [t.data_ptr() + t.nbytes for t in tensors]
+    assert all(end <= nxt for end, nxt in zip(ends, starts[1:], strict=False))  # in order, none overlapping
+    arena = cpu_linear.PanelArena(weights)
+    moved = [arena.move(p) for p in weights]
+    x = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
+    first, again = weights[0], moved[0]
+    assert first is not None and again is not None
+    none = x.new_empty(0)
+    assert torch.equal(cpu_linear.linear(x, none, None, first), cpu_linear.linear(x, none, None, again))
+    with pytest.raises(ValueError, match="sized for other weights"):
+        arena.move(first)

@@ -32,8 +32,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +88,53 @@ class SplitWeight:
 
 
 Packed = Tensor | PanelWeight | SplitWeight | QuantizedWeight  # what `linear` reads in place of the dense weight
+
+
+def _panels(p: Packed | None) -> Tensor | None:
+    """The panel tensor a weight's decode reads (float32, bfloat16 or int8 panels), None where it has none."""
+    if isinstance(p, SplitWeight):
+        return p.panel.panels
+    if isinstance(p, PanelWeight):
+        return p.panels
+    if isinstance(p, QuantizedWeight) and p.panels:
+        return p.qweight
+    return None  # oneDNN's opaque tensors, dense weights, int4
+
+
+class PanelArena:
+    """One buffer for the panels of every base weight, filled in the order a decode step reads them (`move`).
+
+    One user's decode streams every panel once a step, so it runs at the memory's read speed, and that needs
+    2 MB pages (`huge_pages.py`): PyTorch gives them only to allocations of 2 MB or more, and most of a small
+    model's panels are smaller (SmolLM2-135M in bfloat16: qkv 1.1 MB, o 0.7 MB, down 1.8 MB a layer). Packed
+    weight by weight they sat on 4 KB pages; gathered here, the step reads one 2 MB-paged stream, layer after
+    layer. Measured on the 2-core Zen 4 VM, the same process before and after gathering, bfloat16 c = 1 decode
+    forward: 9.6 -> 8.95, 7.6 -> 6.7, 7.6 -> 6.45 ms (three processes).
+    """
+
+    ALIGN = 64  # bytes: every panel tensor starts on a cache line
+
+    def __init__(self, weights: Iterable[Packed | None]) -> None:
+        sizes = [t.nbytes for t in map(_panels, weights) if t is not None]
+        self.buffer = torch.empty(sum(-(-n // self.ALIGN) * self.ALIGN for n in sizes), dtype=torch.uint8)
+        self.used = 0
+
+    def move(self, p: Packed) -> Packed:
+        """`p` with its panels copied into the next free bytes of the arena (the same weight, the same bits)."""
+        src = _panels(p)
+        if src is None:
+            return p
+        end = self.used + src.nbytes
+        if end > self.buffer.numel():
+            raise ValueError("the arena was sized for other weights")
+        dst = self.buffer[self.used : end].view(src.dtype).view(src.shape).copy_(src)
+        self.used = -(-end // self.ALIGN) * self.ALIGN
+        if isinstance(p, SplitWeight):
+            return SplitWeight(replace(p.panel, panels=dst), p.onednn)
+        if isinstance(p, PanelWeight):
+            return replace(p, panels=dst)
+        assert isinstance(p, QuantizedWeight)
+        return replace(p, qweight=dst)
 
 
 def enabled() -> bool:
@@ -171,5 +218,6 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None, packed: Packed | None) -> Ten
 
 
 __all__ = [
-    "ENV", "MODES", "PANEL_MAX_ROWS", "Packed", "SplitWeight", "enabled", "layouts", "linear", "mode", "pack", "packs",
+    "ENV", "MODES", "PANEL_MAX_ROWS", "Packed", "PanelArena", "SplitWeight", "enabled", "layouts", "linear", "mode",
+    "pack", "packs",
 ]  # fmt: skip

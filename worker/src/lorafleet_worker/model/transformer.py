@@ -337,6 +337,7 @@ class Transformer(nn.Module):
                 w: nn.Parameter = getattr(layer, f"{group}_w")
                 p = cpu_linear.pack(w)
                 if p is None:
+                    self._gather_panels()
                     return packed
                 layer.packed[group] = p
                 w.data = w.data.new_empty(0)
@@ -347,7 +348,19 @@ class Transformer(nn.Module):
             packed += 1
             if self.lm_head is not None:
                 self.lm_head.data = self.lm_head.data.new_empty(0)
+        self._gather_panels()
         return packed
+
+    def _gather_panels(self) -> None:
+        """Move every panel weight into one `cpu_linear.PanelArena`, layer by layer and lm_head last (the order a
+        decode step reads them). Each weight is replaced as soon as it is copied, so its old panels are freed
+        then: the peak is about one copy of the panels, not two."""
+        owners = [(layer.packed, group) for layer in self._decoder_layers() for group in layer.packed]
+        arena = cpu_linear.PanelArena([d[g] for d, g in owners] + [self.packed_head])
+        for d, g in owners:
+            d[g] = arena.move(d[g])
+        if self.packed_head is not None:
+            self.packed_head = arena.move(self.packed_head)
 
     def quantize_weights(self, method: str) -> int:
         """Replace every projection's weight and the lm_head by its `method` quantization (`quantization.py`).
@@ -371,6 +384,7 @@ class Transformer(nn.Module):
         self.packed_head = quantization.quantize(dense_head, method)
         if self.lm_head is not None:
             self.lm_head.data = self.lm_head.data.new_empty(0)
+        self._gather_panels()
         return count + 1
 
     def _decoder_layers(self) -> list[DecoderLayer]:
