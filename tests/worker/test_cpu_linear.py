@@ -67,7 +67,7 @@ def test_the_model_reads_its_panels_from_one_arena_in_step_order(tiny_models: An
     if quantization:
         model.quantize_weights(quantization)
     weights = [p for layer in model.layers for p in layer.packed.values()] + [model.packed_head]
-    panels = [cpu_linear._panels(p) for p in weights]
+    panels = [cpu_linear.panel_tensor(p) for p in weights]
     if not all(t is not None for t in panels):
         pytest.skip("the panel kernel does not serve every weight here")
     tensors = [t for t in panels if t is not None]

@@ -90,7 +90,7 @@ class SplitWeight:
 Packed = Tensor | PanelWeight | SplitWeight | QuantizedWeight  # what `linear` reads in place of the dense weight
 
 
-def _panels(p: Packed | None) -> Tensor | None:
+def panel_tensor(p: Packed | None) -> Tensor | None:
     """The panel tensor a weight's decode reads (float32, bfloat16 or int8 panels), None where it has none."""
     if isinstance(p, SplitWeight):
         return p.panel.panels
@@ -115,13 +115,13 @@ class PanelArena:
     ALIGN = 64  # bytes: every panel tensor starts on a cache line
 
     def __init__(self, weights: Iterable[Packed | None]) -> None:
-        sizes = [t.nbytes for t in map(_panels, weights) if t is not None]
+        sizes = [t.nbytes for t in map(panel_tensor, weights) if t is not None]
         self.buffer = torch.empty(sum(-(-n // self.ALIGN) * self.ALIGN for n in sizes), dtype=torch.uint8)
         self.used = 0
 
     def move(self, p: Packed) -> Packed:
         """`p` with its panels copied into the next free bytes of the arena (the same weight, the same bits)."""
-        src = _panels(p)
+        src = panel_tensor(p)
         if src is None:
             return p
         end = self.used + src.nbytes
@@ -219,5 +219,5 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None, packed: Packed | None) -> Ten
 
 __all__ = [
     "ENV", "MODES", "PANEL_MAX_ROWS", "Packed", "PanelArena", "SplitWeight", "enabled", "layouts", "linear", "mode",
-    "pack", "packs",
+    "pack", "packs", "panel_tensor",
 ]  # fmt: skip
