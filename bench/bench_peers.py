@@ -12,7 +12,8 @@ The trained adapters come from `python -m demo.train_adapters` when it has run o
 generated adapters of the same ranks and targets stand in (the JSON says which).
 
 Precision pairs (`--pairs`): lorafleet's weights : llama.cpp's GGUF, e.g. f32:F32, bf16:BF16, int8:Q8_0
-(int8 = `--quantization int8` with bfloat16 activations). Each (pair, scenario) first checks greedy
+(int8 = `--quantization int8` with bfloat16 activations; w8a8 = `--quantization w8a8_int8`, 8-bit activations
+in batches as Q8_0 computes them). Each (pair, scenario) first checks greedy
 agreement (a few real-text prompts, base and up to four adapters), then times concurrency 1, 8 and 32
 on each server in turn (interleaved when `--rounds` > 1): output tokens per second of wall time
 (prefill included), TTFT and inter-token latency p50/p99, and the server's peak RSS.
@@ -59,6 +60,7 @@ LORAFLEET_PRECISIONS: dict[str, list[str]] = {
     "bf16": ["--dtype", "bfloat16"],
     "int8": ["--dtype", "bfloat16", "--quantization", "int8"],
     "int8-f32": ["--dtype", "float32", "--quantization", "int8"],
+    "w8a8": ["--dtype", "bfloat16", "--quantization", "w8a8_int8"],
     "int4": ["--dtype", "bfloat16", "--quantization", "int4"],
 }
 CHECK_PROMPTS = (

@@ -66,6 +66,47 @@ def test_int8_weights_times_bf16_rows_in_int16(rows: int, k: int) -> None:
     assert ((got.double() - ref).abs() <= bound).all()
 
 
+def int8_blocks(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [M, K] rounded to int8 per `block` inputs of a row (scale max|x| / 127), as `panel_linear_w8a8` rounds it
+    (x * (127 / max) in float32, halves to even), back in float32."""
+    m, k = x.shape
+    xb = torch.nn.functional.pad(x.float(), (0, -k % block)).view(m, -1, block)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # (`127 / t` is 127 * (1 / t) in torch)
+    return (torch.round(xb * inv) * (amax / 127.0)).view(m, -1)[:, :k]
+
+
+@pytest.mark.skipif(not cpu_gemm.has_w8a8(), reason="the kernel has no AVX512-VNNI path on this CPU")
+@pytest.mark.parametrize("rows", [7, 32, 49, 130])
+@pytest.mark.parametrize("k", [301, 320, 600])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_int8_weights_times_8bit_rows_with_vnni(rows: int, k: int, act: torch.dtype) -> None:
+    """`--quantization w8a8_int8`: more than one tile of rows is rounded to int8 per 32 inputs and multiplied
+    in bytes (`vpdpbusd`, the weights offset by 128 and the offset taken off). Against that rounding done here,
+    the output differs by float32 sums' rounding (and bfloat16's own): K not a multiple of 4 or 32, K over
+    several slices, a zero row, an outlier, a bias; one tile's rows keep x as it is."""
+    torch.manual_seed(k + rows)
+    w = torch.randn(37, k) * 0.1
+    scales = w.abs().amax(1) / 127
+    q = torch.round(w / scales[:, None]).to(torch.int8)
+    x = torch.randn(rows, k).to(act)
+    x[1] = 0
+    x[2, k // 3] = 300.0
+    bias = torch.randn(37)
+    packed = cpu_gemm.pack(q, scales)
+    got = cpu_gemm.linear(x, packed.panels, 37, packed.scales, bias.to(act), w8a8=True).float()
+    x8 = int8_blocks(x).double()
+    dense = q.double() * scales.double()[:, None]
+    ref = x8 @ dense.T + bias.to(act).double()
+    assert torch.allclose(got[1], bias.to(act).float())
+    out_rounding = 2**-8 if act == torch.bfloat16 else 2**-22
+    bound = ref.abs() * out_rounding + (x8.abs() @ dense.abs().T + bias.abs().double()) * 2**-18
+    assert ((got.double() - ref).abs() <= bound).all()
+    assert (got.double() - x.double() @ dense.T - bias.to(act).double()).abs().max() > 1e-3  # really 8-bit x
+    few = x[:6]  # one tile: memory-bound, x as it is (the int8 kernel's float tile)
+    assert torch.equal(cpu_gemm.linear(few, packed.panels, 37, packed.scales, None, w8a8=True), packed.matmul(few))
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_split_weight_takes_panels_for_few_rows_and_onednn_for_more(

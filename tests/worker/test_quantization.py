@@ -1,8 +1,9 @@
-"""Weight-only int8 / int4 base linears (`model/quantization.py`, `--quantization`).
+"""Quantized base linears (`model/quantization.py`, `--quantization`): weight-only int8 / int4, and w8a8_int8.
 
 The kernels against a matmul with the dequantized weight; the quantization error within its bound; the
 engine with quantized weights and LoRA on top against transformers + PEFT given the same dequantized
-weights: same greedy tokens, log-probs within 1e-3 (float32 activations), in one mixed batch.
+weights (w8a8_int8: and the prefill's activations rounded as the engine rounds them): same greedy tokens,
+log-probs within 1e-3 (float32 activations), in one mixed batch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lorafleet_worker.model.quantization import INT4_GROUP, quantize
 from lorafleet_worker.sampling import SamplingParams
 from torch import nn
 
+from tests.worker.test_cpu_gemm import int8_blocks
 from tests.worker.test_engine import peft_greedy
 
 PROMPTS = [[5, 17, 42, 99, 3], [int(x) for x in torch.arange(30, 430, 10)]]
@@ -40,7 +42,9 @@ def test_matmul_is_x_times_the_dequantized_weight(method: str, dtype: torch.dtyp
     assert dense.shape == w.shape and dense.dtype == dtype
     x = torch.randn(rows, 128).to(dtype)
     got = qw.matmul(x)
-    ref = x.float() @ dense.float().T
+    # w8a8_int8: batches of more than one tile's rows multiply x rounded to int8 per 32 inputs
+    xs = int8_blocks(x) if method == "w8a8_int8" and rows > 6 else x.float()
+    ref = xs @ dense.float().T
     assert got.dtype == dtype and got.shape == (rows, 96)
     assert (got.float() - ref).abs().max().item() < tol * ref.abs().max().item()
     assert qw.matmul(x.reshape(rows, 1, 128)).shape == (rows, 1, 96)  # leading dimensions kept
@@ -57,7 +61,7 @@ def test_quantization_error_is_within_half_a_step(method: str) -> None:
     torch.manual_seed(1)
     w = torch.randn(64, 256) * torch.linspace(0.01, 3, 64)[:, None]  # channels of very different ranges
     err = (quantize(w, method).to_dense() - w).abs()
-    if method == "int8":
+    if method in quantization.INT8_METHODS:
         step = w.abs().amax(1, keepdim=True) / 127
     else:
         g = w.reshape(64, -1, INT4_GROUP)
@@ -65,7 +69,7 @@ def test_quantization_error_is_within_half_a_step(method: str) -> None:
     assert (err <= step / 2 + 1e-5).all()
     assert err.max() > 0  # really quantized
     packed = quantize(w, method)
-    assert packed.nbytes < w.nbytes / (3 if method == "int8" else 5)  # scales included
+    assert packed.nbytes < w.nbytes / (3 if method in quantization.INT8_METHODS else 5)  # scales included
 
 
 def test_bad_input_is_refused() -> None:
@@ -75,6 +79,8 @@ def test_bad_input_is_refused() -> None:
         quantize(torch.randn(4, 40), "int4")
     with pytest.raises(ValueError, match="bfloat16"):
         quantization.check_supported("int4", torch.device("cuda"), torch.float32)
+    with pytest.raises(ValueError, match="w8a8_int8 runs on CPUs with AVX512-VNNI, not on a CUDA device; use int8"):
+        quantization.check_supported("w8a8_int8", torch.device("cuda"), torch.bfloat16)
 
 
 def hf_with_weights_of(model_dir: Path, ours: Any) -> Any:
@@ -96,6 +102,26 @@ def hf_with_weights_of(model_dir: Path, ours: Any) -> Any:
     return hf
 
 
+def round_prompt_rows(hf: Any) -> list[int]:
+    """Make the base projections of `hf` (not the LoRA, not the lm_head) take the first n rows of their input
+    rounded to int8 per 32 inputs, as w8a8_int8 does in a prefill of more than one tile (6) of rows, where a
+    decode step of one sequence keeps x as it is. Returns [n], for the caller to set per prompt."""
+    rows = [0]
+
+    def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if not rows[0]:
+            return args
+        x = args[0].clone()
+        x[0, : rows[0]] = int8_blocks(x[0, : rows[0]])
+        return (x,)
+
+    for layer in hf.model.layers:
+        for lin in (*(getattr(layer.self_attn, f"{p}_proj") for p in "qkvo"), layer.mlp.gate_proj, layer.mlp.up_proj,
+                    layer.mlp.down_proj):  # fmt: skip
+            getattr(lin, "base_layer", lin).register_forward_pre_hook(hook)  # PEFT's wrapper: its base linear
+    return rows
+
+
 @pytest.mark.parametrize("method", quantization.METHODS)
 async def test_engine_matches_peft_on_the_dequantized_weights(
     method: str, tiny_models: Any, tiny_adapter_factory: Any
@@ -105,8 +131,11 @@ async def test_engine_matches_peft_on_the_dequantized_weights(
 
     model_dir = Path(tiny_models["llama"])
     adapters = {name: tiny_adapter_factory(model_dir, **kw) for name, kw in ADAPTERS.items()}
+    # w8a8_int8 rounds x only in a step of more than 6 rows: one sequence at a time makes that the prefill of a
+    # prompt of more than 6 tokens, which PEFT's side then rounds the same way (`round_prompt_rows`)
+    w8a8 = method == "w8a8_int8"
     engine = Engine(model_dir, dtype="float32", max_loras=2, block_size=4, max_model_len=128, num_kv_blocks=128,
-                    quantization=method)  # fmt: skip
+                    quantization=method, max_num_seqs=1 if w8a8 else 64)  # fmt: skip
     assert len(engine.model.packed_weights()) == 4 * engine.config.num_hidden_layers + 1
     assert engine.model.layers[0].qkv_w.numel() == 0  # the dense copy is released
     await engine.start()
@@ -120,7 +149,7 @@ async def test_engine_matches_peft_on_the_dequantized_weights(
             return [o.token_id for o in outs], [float(o.logprob or 0.0) for o in outs]
 
         results = await asyncio.wait_for(asyncio.gather(*(run(i, p, a) for i, (p, a) in enumerate(jobs))), 120)
-        assert engine.stats.max_adapters_in_step == len(adapters)  # one mixed batch
+        assert engine.stats.max_adapters_in_step == (1 if w8a8 else len(adapters))  # else one mixed batch
         hf = hf_with_weights_of(model_dir, engine.model)
     finally:
         await engine.stop()
@@ -133,8 +162,10 @@ async def test_engine_matches_peft_on_the_dequantized_weights(
         adapters[names[0]],
         adapter_name=names[0],
     )
+    rounded = round_prompt_rows(hf) if w8a8 else [0]
     worst_vs_plain = 0.0
     for (prompt, adapter), (toks, lps) in zip(jobs, results, strict=True):
+        rounded[0] = len(prompt) if len(prompt) > 6 else 0
         want_toks, want_lps = peft_greedy(peft.eval(), prompt, adapter, len(toks))
         assert toks == want_toks, (prompt, adapter)
         assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) < 1e-3, (prompt, adapter)
@@ -149,6 +180,7 @@ def test_cli_flag_is_parsed_and_bad_values_are_refused(capsys: pytest.CaptureFix
 
     parser = build_parser()
     assert parser.parse_args(["serve", "--model", "m", "--quantization", "int4"]).quantization == "int4"
+    assert parser.parse_args(["serve", "--model", "m", "-q", "w8a8_int8"]).quantization == "w8a8_int8"
     assert parser.parse_args(["serve", "--model", "m"]).quantization is None
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--model", "m", "--quantization", "fp8"])

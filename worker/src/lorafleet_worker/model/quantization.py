@@ -1,4 +1,4 @@
-"""Weight-only quantized base linears (`--quantization int8|int4`): PyTorch's own packed int8/int4 matmuls.
+"""Quantized base linears (`--quantization int8|int4|w8a8_int8`): the panel kernel and PyTorch's packed matmuls.
 
 `int8`: one symmetric scale per output channel (`scale = max|w| / 127`): a quarter of float32's bytes, half
 of bfloat16's. On CUDA it is served by `aten._weight_int8pack_mm`; on CPU by the panel kernel
@@ -10,6 +10,12 @@ cannot be built.
 `int4`: asymmetric groups of 32 input channels, scale and zero per group
 (`w = (q - 8) * scale + zero`, the tinygemm layout), served by `aten._weight_int4pack_mm_for_cpu` on
 CPU and `aten._weight_int4pack_mm` on CUDA (bfloat16 activations there).
+`w8a8_int8` (CPU with AVX512-VNNI; SGLang's name for int8 weights and activations): the int8 weights above, and
+where more than one tile of rows makes the GEMM compute-bound (prefill, batched decode) each row of x is rounded
+to int8 per 32 inputs with its own scale, as llama.cpp's Q8_0 does, and multiplied in bytes (`vpdpbusd`,
+`cpu_gemm.py`): ~2x the int8 kernel's rate there, for an output error of ~0.7-0.9 % of a real layer's (as large
+as the int8 weights' own; bfloat16's rounding is 0.17 %). One row (a single user's decode, memory-bound) keeps
+x as it is. Only int8 and int4 are weight-only.
 Activations stay in the model's dtype and LoRA is applied on top in full precision (`DecoderLayer._proj`);
 embeddings and norms are not quantized, the lm_head is. `QuantizedWeight.to_dense()` gives back the
 dequantized weight, which is what the tests compare with transformers + PEFT.
@@ -26,7 +32,8 @@ from torch import Tensor
 
 from lorafleet_worker.model import cpu_gemm
 
-METHODS = ("int8", "int4")
+METHODS = ("int8", "int4", "w8a8_int8")
+INT8_METHODS = ("int8", "w8a8_int8")  # the same int8 weights per output channel
 INT4_GROUP = 32
 
 
@@ -47,7 +54,7 @@ class QuantizedWeight:
         directly; None where the weight is not in panels."""
         if not self.panels:
             return None
-        op = cpu_gemm.kernel()
+        op = cpu_gemm.kernel(w8a8=self.method == "w8a8_int8")
         qweight, n, scales = self.qweight, self.shape[0], self.scales
 
         def run(x: Tensor, bias: Tensor | None) -> Tensor:
@@ -59,7 +66,7 @@ class QuantizedWeight:
     def matmul(self, x: Tensor) -> Tensor:
         """x @ w.T for x [..., in] of `dtype`."""
         if self.panels:
-            return cpu_gemm.linear(x, self.qweight, self.shape[0], self.scales, None)
+            return cpu_gemm.linear(x, self.qweight, self.shape[0], self.scales, None, self.method == "w8a8_int8")
         flat = x.reshape(-1, self.shape[1])
         if self.method == "int8":
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
@@ -88,12 +95,14 @@ def quantize(w: Tensor, method: str) -> QuantizedWeight:
         raise ValueError(f"only 2-D weights are quantized, got shape {tuple(w.shape)}")
     out_dim, in_dim = w.shape
     w32 = w.detach().float()
-    if method == "int8":
+    if method in INT8_METHODS:
         scale = (w32.abs().amax(dim=1) / 127).clamp(min=1e-12)
         q = torch.round(w32 / scale[:, None]).clamp(-127, 127).to(torch.int8)
         if w.device.type == "cpu" and cpu_gemm.available():
             panels = cpu_gemm.pack(q, scale).panels
-            return QuantizedWeight("int8", panels, scale.contiguous(), (out_dim, in_dim), w.dtype, panels=True)
+            return QuantizedWeight(method, panels, scale.contiguous(), (out_dim, in_dim), w.dtype, panels=True)
+        if method == "w8a8_int8":
+            raise ValueError("w8a8_int8 needs the CPU panel kernel (cpu_gemm.py)")
         return QuantizedWeight("int8", q.contiguous(), scale.to(w.dtype), (out_dim, in_dim), w.dtype)
     if in_dim % INT4_GROUP:
         raise ValueError(f"int4 needs the input dimension ({in_dim}) to be a multiple of {INT4_GROUP}")
@@ -114,7 +123,7 @@ def quantize(w: Tensor, method: str) -> QuantizedWeight:
 
 def quantized_nbytes(out_dim: int, in_dim: int, method: str, dtype: torch.dtype) -> int:
     """Bytes `quantize` gives for an [out_dim, in_dim] weight (what the memory plan counts, memory.py)."""
-    if method == "int8":
+    if method in INT8_METHODS:
         return out_dim * in_dim + out_dim * dtype.itemsize
     return out_dim * in_dim // 2 + (in_dim // INT4_GROUP) * out_dim * 2 * dtype.itemsize
 
@@ -125,6 +134,17 @@ def check_supported(method: str, device: torch.device, dtype: torch.dtype) -> No
         raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(METHODS)}")
     if method == "int4" and device.type == "cuda" and dtype != torch.bfloat16:
         raise ValueError("--quantization int4 on CUDA needs --dtype bfloat16 (the tinygemm kernel's)")
+    if method == "w8a8_int8" and (device.type != "cpu" or not cpu_gemm.has_w8a8()):
+        where = "a CUDA device" if device.type != "cpu" else "this CPU (no AVX512-VNNI, or no panel kernel)"
+        raise ValueError(f"--quantization w8a8_int8 runs on CPUs with AVX512-VNNI, not on {where}; use int8")
 
 
-__all__ = ["INT4_GROUP", "METHODS", "QuantizedWeight", "check_supported", "quantize", "quantized_nbytes"]
+__all__ = [
+    "INT4_GROUP",
+    "INT8_METHODS",
+    "METHODS",
+    "QuantizedWeight",
+    "check_supported",
+    "quantize",
+    "quantized_nbytes",
+]
