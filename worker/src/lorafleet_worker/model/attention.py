@@ -1,7 +1,11 @@
 """Attention over the paged KV cache for one layer of the flat batch, with three decode backends.
 
-The step's K/V are written into the layer's cache first. Prefill chunks attend with torch SDPA (a fresh
-prompt over its own K/V, a later chunk over its cached context). Decode tokens attend with the `"torch"`
+The step's K/V are written into the layer's cache first. With the `"cpu"` backend every row of the step, prefill
+rows too, then attends through the C++ paged kernel in one call: a prompt token at position p is a query over
+the cached tokens 0..p (`ForwardBatch.row_block_tables`). Measured on the 2-core Zen 4 VM, SmolLM2's 9 / 3 heads
+of 64: 16 prompts of 128 tokens 0.18 ms a prompt and layer against 0.49 for SDPA, one prompt of 512 3.7 vs
+4.3 ms. Otherwise prefill chunks attend with torch SDPA (a fresh prompt over its own K/V, a later chunk over its
+cached context). Decode tokens attend with the `"torch"`
 backend (gather each sequence's blocks, masked SDPA), the `"cpu"` C++ loop that reads the blocks in place
 (`cpu_attention.py`) or the `"triton"` paged-attention kernel (`kernels/paged_attention.py`, no sliding
 window).
@@ -34,6 +38,9 @@ def paged_attention(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
+    tables, lens = batch.row_block_tables, batch.row_seq_lens
+    if backend == "cpu" and tables is not None and lens is not None:  # every row, prefill too, in one call
+        return cpu_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, window)
     out = torch.empty_like(q)
     nd = batch.num_decode
     if nd:

@@ -419,9 +419,13 @@ static void decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   const int64_t per_split = (KVH + splits - 1) / splits;
   const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(T));
   const KvHeadFn<T> fast = pick_fast<T>(D, G);
-  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+  const int64_t items = B * splits;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), scores;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t j = begin; j < end; ++j) {
+      // items in zig-zag order (0, n - 1, 1, n - 2, ...): each thread takes one contiguous range of j, and the
+      // rows of a prefill cost more the later they come (a longer causal prefix), so every range gets both ends
+      const int64_t item = j % 2 == 0 ? j / 2 : items - 1 - j / 2;
       const int64_t b = item / splits, kv0 = (item % splits) * per_split;
       const int64_t kv1 = std::min(KVH, kv0 + per_split);
       if (kv0 >= kv1) continue;
@@ -774,7 +778,7 @@ at::Tensor decode_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, c10:
 }
 """
 
-EXT_NAME = "lorafleet_cpu_ops_v15"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+EXT_NAME = "lorafleet_cpu_ops_v16"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
 EXTENSION = native_ops.Extension(
     name=EXT_NAME,
     source=_SOURCE,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -38,13 +39,22 @@ class ForwardBatch:
     logits_indices: Tensor  # int64 [N], rows of the flat batch whose logits are returned
     lora: LoRAContext | None = None
     decode_mask: Tensor | None = None  # bool [num_decode, 1, 1, max_blocks * block_size] (torch attention)
+    # every row as one query over its own context (the "cpu" backend): int32 [T, max_blocks] and [T]
+    row_block_tables: Tensor | None = None
+    row_seq_lens: Tensor | None = None
 
-    def prepare_masks(self, block_size: int, window: int | None, decode: bool = True) -> None:
+    def prepare_masks(self, block_size: int, window: int | None, decode: bool = True, rows: bool = False) -> None:
         """Build the attention masks of the torch path once per step (shared by every layer).
 
         `window`: sliding-window size (a query at position p sees keys p - window < k <= p), None = full.
         `decode`: also the decode mask (only the torch decode backend reads it).
+        `rows`: instead of the prefill masks, a block table and a context length for every row of the step
+        (`row_block_tables`), for the "cpu" backend, whose paged kernel then serves prefill rows as it serves
+        decode rows: a prompt token at position p is a query over the cached tokens 0..p.
         """
+        if rows:
+            self._prepare_rows()
+            return
         device = self.positions.device
         if self.num_decode and decode:
             keys = torch.arange(self.decode_block_tables.shape[1] * block_size, device=device)[None, :]
@@ -61,6 +71,16 @@ class ForwardBatch:
                 p.mask = keys <= qpos
                 if window is not None:
                     p.mask &= keys > qpos - window
+
+    def _prepare_rows(self) -> None:
+        tables = [self.decode_block_tables[: self.num_decode]]
+        lens = [self.decode_seq_lens[: self.num_decode]]
+        for p in self.prefills:
+            tables.append(p.block_ids.to(torch.int32).expand(p.num_tokens, -1))
+            lens.append(torch.arange(p.context_len - p.num_tokens + 1, p.context_len + 1, dtype=torch.int32))
+        width = max(t.shape[1] for t in tables)
+        self.row_block_tables = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tables])
+        self.row_seq_lens = torch.cat(lens).to(self.positions.device)
 
 
 @dataclass

@@ -286,8 +286,9 @@ class Transformer(nn.Module):
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> Tensor:
         h = F.embedding(batch.input_ids, self.embed)
         cos, sin = self._rope_tables(batch.positions)
-        batch.prepare_masks(kv.block_size, self.config.sliding_window, decode=self.attn_backend == "torch")
         fused = _fused_ops(h)
+        rows = fused and self.attn_backend == "cpu" and batch.num_decode < h.shape[0]  # prefill in the paged kernel
+        batch.prepare_masks(kv.block_size, self.config.sliding_window, decode=self.attn_backend == "torch", rows=rows)
         fast = fused and direct_linears and self.attn_backend == "cpu" and batch.num_decode == h.shape[0]
         layers = self.cpu_decode_layers() if fast else None
         if layers is not None:
