@@ -467,7 +467,7 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", nargs="+", default=["f32:F32", "bf16:BF16", "int8:Q8_0"])
+    parser.add_argument("--pairs", nargs="+", default=["f32:F32", "bf16:BF16", "int8:Q8_0", "w8a8:Q8_0"])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="per server (default: all CPUs)")
