@@ -19,7 +19,10 @@ from tests.kernels.test_engine_triton import needs_cuda
 pytestmark = needs_cuda
 
 
-@pytest.mark.parametrize("method", quantization.METHODS)
+CUDA_METHODS = [m for m in quantization.METHODS if m != "w8a8_int8"]  # w8a8_int8 is CPU-only (refused on CUDA)
+
+
+@pytest.mark.parametrize("method", CUDA_METHODS)
 @pytest.mark.parametrize("rows", [1, 8, 33])
 def test_cuda_matmul_is_x_times_the_dequantized_weight(method: str, rows: int) -> None:
     torch.manual_seed(0)
@@ -45,6 +48,13 @@ def test_cuda_matmul_is_x_times_the_dequantized_weight(method: str, rows: int) -
 def test_int4_on_cuda_needs_bf16() -> None:
     with pytest.raises(ValueError, match="bfloat16"):
         quantization.check_supported("int4", torch.device("cuda"), torch.float32)
+
+
+def test_w8a8_int8_is_refused_on_cuda() -> None:
+    with pytest.raises(ValueError, match="not on a CUDA device; use int8"):
+        quantization.check_supported("w8a8_int8", torch.device("cuda"), torch.bfloat16)
+    with pytest.raises(ValueError, match="w8a8_int8 needs the CPU panel kernel"):
+        quantize(torch.randn(16, 64, dtype=torch.bfloat16, device="cuda"), "w8a8_int8")
 
 
 def quantization_step(w: torch.Tensor, method: str) -> torch.Tensor:
