@@ -11,6 +11,8 @@ tokens of each adapter) instead, in two passes split over ATen's thread pool:
           · B[slot, cols, :r]ᵀ; with the pool's rank-major B (`LoRAPool` on CPU: B[slot] stored as [r, out])
           this is r axpys over contiguous rows; a B stored [out, r] is read as one dot product per column.
 
+A segment of one or two tokens (each adapter's decode rows when 16 adapters share 32 sequences) takes two-token
+loops: half the shrink's products, and each B row widened once for both tokens.
 Only each adapter's own rank is read (no max-rank padding), slices of rank 0 are skipped, x rows are read in
 place through the step's row list (no gather, no scatter), float32 and bfloat16 (widened to float32).
 
@@ -125,21 +127,28 @@ void run(const at::Tensor& x, at::Tensor& out, const at::Tensor& A, const at::Te
       for (int64_t p0 = sg.start; p0 < sg.end; p0 += TB) {
         const int64_t nt = std::min<int64_t>(TB, sg.end - p0);
         const float* xr[TB];
-        for (int64_t t = 0; t < TB; ++t) {
-          const int64_t p = p0 + std::min<int64_t>(t, nt - 1);  // a short block repeats its last token
-          xr[t] = widen<T>(xp + (int64_t)rp[p] * xs, xbuf.data() + t * K, K);
-        }
+        for (int64_t t = 0; t < TB; ++t)  // a short block repeats its last token (widened once)
+          xr[t] = t < nt ? widen<T>(xp + (int64_t)rp[p0 + t] * xs, xbuf.data() + t * K, K) : xr[nt - 1];
         const float *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[3];
         for (int64_t j = 0; j < r; ++j) {
           const T* a = a_base + j * as_rank;  // read in place, widened in registers
           float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+          if (nt <= 2) {  // one or two tokens (an adapter's decode rows): half the products
+#pragma omp simd reduction(+ : s0, s1)
+            for (int64_t k = 0; k < K; ++k) {
+              const float av = to_float(a[k]);
+              s0 += x0[k] * av;
+              s1 += x1[k] * av;
+            }
+          } else {
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
-          for (int64_t k = 0; k < K; ++k) {
-            const float av = to_float(a[k]);
-            s0 += x0[k] * av;
-            s1 += x1[k] * av;
-            s2 += x2[k] * av;
-            s3 += x3[k] * av;
+            for (int64_t k = 0; k < K; ++k) {
+              const float av = to_float(a[k]);
+              s0 += x0[k] * av;
+              s1 += x1[k] * av;
+              s2 += x2[k] * av;
+              s3 += x3[k] * av;
+            }
           }
           const float sums[TB] = {s0, s1, s2, s3};
           for (int64_t t = 0; t < nt; ++t) xa[((p0 + t) * n_slices + s) * R + j] = sums[t];
@@ -162,8 +171,20 @@ void run(const at::Tensor& x, at::Tensor& out, const at::Tensor& A, const at::Te
         const int64_t nt = std::min<int64_t>(TB, sg.end - p0);
         for (int64_t t = 0; t < nt; ++t)
           for (int64_t j = 0; j < r; ++j) coef[t * R + j] = scale * xa[((p0 + t) * n_slices + s) * R + j];
-        std::fill(acc.begin(), acc.begin() + TB * NC, 0.f);
-        if (rank_major) {
+        std::fill(acc.begin(), acc.begin() + nt * NC, 0.f);
+        if (rank_major && nt == 2) {  // an adapter's two decode rows: each B row widened once for both
+          float *a0 = acc.data(), *a1 = acc.data() + NC;
+          for (int64_t j = 0; j < r; ++j) {
+            const T* b = b_base + j * bs_rank + c0;
+            const float cj0 = coef[j], cj1 = coef[R + j];
+#pragma omp simd
+            for (int64_t i = 0; i < nc; ++i) {
+              const float bv = to_float(b[i]);
+              a0[i] += cj0 * bv;
+              a1[i] += cj1 * bv;
+            }
+          }
+        } else if (rank_major) {
           for (int64_t j = 0; j < r; ++j) {
             const T* b = b_base + j * bs_rank + c0;
             for (int64_t t = 0; t < nt; ++t) {
@@ -231,7 +252,7 @@ void lora_small(at::Tensor x, at::Tensor out, at::Tensor A, at::Tensor B, at::Te
 """
 
 
-EXT_NAME = "lorafleet_cpu_lora_v5"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+EXT_NAME = "lorafleet_cpu_lora_v6"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
 EXTENSION = native_ops.Extension(
     name=EXT_NAME,
     source=_SOURCE,
