@@ -465,9 +465,18 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def default_pairs() -> list[str]:
+    """The precision pairs of a default run: w8a8:Q8_0 only where `--quantization w8a8_int8` runs (AVX512-VNNI;
+    elsewhere the worker refuses it at startup)."""
+    from lorafleet_worker.native_ops import cpu_flags
+
+    return ["f32:F32", "bf16:BF16", "int8:Q8_0"] + (["w8a8:Q8_0"] if "avx512_vnni" in cpu_flags() else [])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", nargs="+", default=["f32:F32", "bf16:BF16", "int8:Q8_0", "w8a8:Q8_0"])
+    pairs_help = "LORAFLEET:GGUF (default: %(default)s; w8a8:Q8_0 where the CPU has AVX512-VNNI)"
+    parser.add_argument("--pairs", nargs="+", default=default_pairs(), help=pairs_help)
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="per server (default: all CPUs)")
