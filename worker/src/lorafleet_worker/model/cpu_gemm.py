@@ -601,8 +601,20 @@ at::Tensor pack_panels(const at::Tensor& w) {
 
 // x [M, K] (float32 or bfloat16) @ W.T (+ bias) with W in panels (float32, bfloat16 or int8 with per-output
 // float32 scales); out in x's dtype.
-at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t N,
-                        const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias) {
+bool has_w8a8() {
+#ifdef LF_HAS_Q8
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+// `w8a8`: int8 panels times more than one tile of rows take `linear_w8a8` where the CPU has AVX512-VNNI.
+static at::Tensor linear_any(const at::Tensor& x_in, const at::Tensor& panels, int64_t N,
+                             const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
+                             bool w8a8) {
   TORCH_CHECK(x_in.dim() == 2 && panels.dim() == 3 && panels.size(2) == NR,
               "panel_linear: x [M, K], panels [P, K, 16]");
   TORCH_CHECK(x_in.size(1) == panels.size(1), "panel_linear: K differs");
@@ -636,6 +648,14 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
       break;
     case at::kChar:
       TORCH_CHECK(sp != nullptr, "panel_linear: int8 panels need scales");
+#ifdef LF_HAS_Q8
+      static const bool vnni = has_w8a8();
+      if (w8a8 && vnni && x.size(0) > MR) {
+        if (bf16_out) linear_w8a8<at::BFloat16>(x, panels, sp, bp, out, N);
+        else linear_w8a8<float>(x, panels, sp, bp, out, N);
+        break;
+      }
+#endif
 #ifdef LF_HAS_I16
       if (bf16_out && x.size(0) > MR) {
         linear_i8_i16(x, panels, sp, bp, out, N);
@@ -650,47 +670,20 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   }
   return out;
 }
-// `panel_linear` with int8 panels and x rounded to int8 per 32 inputs where more than one tile of rows makes the
-// GEMM compute-bound and the CPU has AVX512-VNNI (`--quantization w8a8_int8`); otherwise `panel_linear` itself.
-bool has_w8a8() {
-#ifdef LF_HAS_Q8
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-#else
-  return false;
-#endif
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                        const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias) {
+  return linear_any(x, panels, N, scales, bias, false);
 }
 
-at::Tensor panel_linear_w8a8(const at::Tensor& x_in, const at::Tensor& panels, int64_t N,
+// `panel_linear` where int8 panels times more than one tile of rows (compute-bound) round x to int8 per 32 inputs
+// and the CPU has AVX512-VNNI (`--quantization w8a8_int8`); otherwise the same as `panel_linear`.
+at::Tensor panel_linear_w8a8(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                              const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias) {
-#ifdef LF_HAS_Q8
-  static const bool vnni = has_w8a8();
-  const bool float_x = x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat;
-  if (vnni && float_x && x_in.dim() == 2 && x_in.size(0) > MR && panels.scalar_type() == at::kChar && scales &&
-      panels.dim() == 3 && panels.is_contiguous() && x_in.size(1) == panels.size(1)) {
-    pybind11::gil_scoped_release no_gil;
-    const at::Tensor x = x_in.contiguous();
-    const at::Tensor s = scales->to(at::kFloat).contiguous();
-    at::Tensor b;
-    const float* bp = nullptr;
-    if (bias) {
-      b = bias->to(at::kFloat).contiguous();
-      bp = b.data_ptr<float>();
-    }
-    auto out = at::empty({x.size(0), N}, x_in.options());
-    if (x.scalar_type() == at::kBFloat16) linear_w8a8<at::BFloat16>(x, panels, s.data_ptr<float>(), bp, out, N);
-    else linear_w8a8<float>(x, panels, s.data_ptr<float>(), bp, out, N);
-    return out;
-  }
-#endif
-  return panel_linear(x_in, panels, N, scales, bias);
+  return linear_any(x, panels, N, scales, bias, true);
 }
-
-
 """
 
-EXT_NAME = "lorafleet_cpu_gemm_v6"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+EXT_NAME = "lorafleet_cpu_gemm_v7"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
 EXTENSION = native_ops.Extension(
     name=EXT_NAME,
     source=_SOURCE,
@@ -722,7 +715,8 @@ def kernel(w8a8: bool = False) -> Any:
 
 
 def has_w8a8() -> bool:
-    """True when the kernel has the 8-bit activation path (built for a CPU with AVX512-VNNI)."""
+    """True when `kernel(w8a8=True)` rounds activations to 8 bits: the kernel built and this CPU has AVX512-VNNI
+    (the path is compiled into every x86 build and taken only there)."""
     mod = _module()
     return mod is not None and bool(mod.has_w8a8())
 
