@@ -355,7 +355,8 @@ class Transformer(nn.Module):
     def _gather_panels(self) -> None:
         """Move every panel weight into one `cpu_linear.PanelArena`, layer by layer and lm_head last (the order a
         decode step reads them). Each weight is replaced as soon as it is copied, so its old panels are freed
-        then: the peak is about one copy of the panels, not two."""
+        then; the arena's pages are committed as they are written, so the resident peak is about one copy of the
+        panels, not two."""
         owners = [(layer.packed, group) for layer in self._decoder_layers() for group in layer.packed]
         arena = cpu_linear.PanelArena([d[g] for d, g in owners] + [self.packed_head])
         for d, g in owners:
