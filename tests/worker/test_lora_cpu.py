@@ -132,6 +132,45 @@ def test_kernel_reads_either_b_layout_and_nothing_past_a_rank(dtype: torch.dtype
     torch.testing.assert_close(results[1], results[2], rtol=tol, atol=tol * float(results[2].abs().max()))
 
 
+def per_adapter_reference(x: torch.Tensor, w, slots: list[int]) -> torch.Tensor:
+    """Every token's LoRA delta in float64 from the stacked weights (ranks and scalings read per slot/slice)."""
+    ref = torch.zeros(x.shape[0], w.slice_offsets[-1], dtype=torch.float64)
+    for t, slot in enumerate(slots):
+        for s in range(w.n_slices):
+            r, lo, hi = int(w.ranks[slot, s]), w.slice_offsets[s], w.slice_offsets[s + 1]
+            if slot >= 0 and r:
+                a, b = w.A[slot, s, :r].double(), w.B[slot, lo:hi, :r].double()
+                ref[t, lo:hi] = float(w.scalings[slot, s]) * (b @ (a @ x[t].double()))
+    return ref
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("in_dim", [40, 44], ids=["inputs-multiple-of-8", "inputs-with-a-tail"])
+def test_kernel_tiles_and_their_edges(dtype: torch.dtype, in_dim: int) -> None:
+    """The kernel's register tiles and the loops around them: segments of 1-9 tokens (blocks of 1-4), a
+    119-token prompt chunk (items of 64 and 55 tokens), odd ranks (a tile's second row past the rank),
+    slices 40 and 24 wide (column tails past the 16-column tiles), inputs not a multiple of 8 (the portable
+    shrink), both B layouts: all equal the float64 per-adapter result, rows without an adapter untouched."""
+    ranks = [[1, 3], [64, 0], [7, 33], [16, 16]]
+    w = random_proj_weights(in_dim=in_dim, widths=(40, 24), ranks=ranks, max_rank=64, dtype=dtype, seed=2)
+    rank_major = type(w)(**{**w.__dict__, "B": w.B.transpose(1, 2).contiguous().transpose(1, 2)})
+    slots = [0] * 3 + [-1] + [1] * 9 + [2] * 119 + [3] + [-1] * 2 + [3] * 6 + [1] * 2 + [0] * 4
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(len(slots), in_dim, generator=gen).to(dtype)
+    base = torch.randn(len(slots), 64, generator=gen).to(dtype)
+    expected = base.double() + per_adapter_reference(x, w, slots)
+    for weights in (w, rank_major):
+        out = base.clone()
+        backend = backend_for("cpp")
+        info = backend.prepare(torch.tensor(slots, dtype=torch.int32))
+        assert not info.host_plan.large  # every segment (at most SMALL_SEGMENT tokens) goes to the kernel
+        backend.apply(x, out, weights, info)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * float(expected.abs().max()))
+        assert torch.equal(out[3], base[3]) and torch.equal(out[133:135], base[133:135])
+
+
 def test_cpu_pool_is_rank_major(pool_and_adapters) -> None:
     pool, _ = pool_and_adapters
     w = pool.weights(0, "gate_up")
