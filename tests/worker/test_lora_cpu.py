@@ -146,12 +146,13 @@ def per_adapter_reference(x: torch.Tensor, w, slots: list[int]) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("in_dim", [40, 44], ids=["inputs-multiple-of-8", "inputs-with-a-tail"])
+@pytest.mark.parametrize("in_dim", [64, 40, 44], ids=["inputs-by-32", "inputs-by-8", "inputs-with-a-tail"])
 def test_kernel_tiles_and_their_edges(dtype: torch.dtype, in_dim: int) -> None:
     """The kernel's register tiles and the loops around them: segments of 1-9 tokens (blocks of 1-4), a
     119-token prompt chunk (items of 64 and 55 tokens), odd ranks (a tile's second row past the rank),
-    slices 40 and 24 wide (column tails past the 16-column tiles), inputs not a multiple of 8 (the portable
-    shrink), both B layouts: all equal the float64 per-adapter result, rows without an adapter untouched."""
+    slices 40 and 24 wide (column tails past the 16-column tiles), inputs a multiple of 32 (bfloat16 pairs
+    with AVX512-BF16) or of 8 (float tiles) or neither (the portable shrink), both B layouts: all equal the
+    float64 per-adapter result, rows without an adapter untouched."""
     ranks = [[1, 3], [64, 0], [7, 33], [16, 16]]
     w = random_proj_weights(in_dim=in_dim, widths=(40, 24), ranks=ranks, max_rank=64, dtype=dtype, seed=2)
     rank_major = type(w)(**{**w.__dict__, "B": w.B.transpose(1, 2).contiguous().transpose(1, 2)})

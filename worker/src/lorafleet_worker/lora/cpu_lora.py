@@ -2,8 +2,9 @@
 
 The per-adapter torch path runs two small matmuls per (adapter, slice) and pays a torch op's overhead
 (~10 µs) for each: at concurrency 32 with 16 adapters on q/v of 30 layers that is ~2,000 ops and 31 ms a
-decode step, against under 1 ms of weight reads. `lora_small` walks the step's short segments (the decode
-tokens of each adapter) instead, in two passes split over ATen's thread pool:
+decode step, against under 1 ms of weight reads. `lora_small` walks the step's short segments (each adapter's
+decode tokens, prompt chunks of up to `backend.SMALL_SEGMENT` tokens) instead, in two passes split over ATen's
+thread pool:
 
   shrink  per (segment, slice with rank r > 0, 64 of its tokens): xa[token, slice, :r] = x[row] · A[slot,
           slice, :r]ᵀ, each A row read once for 4 tokens at a time, float32 sums;
@@ -14,12 +15,14 @@ tokens of each adapter) instead, in two passes split over ATen's thread pool:
 
 With AVX2 + FMA both passes run register tiles on blocks of 3-4 tokens (shrink: 4 tokens x 2 rows of A, 8
 independent sums; expand: 3-4 tokens x 16 columns held in registers over the whole rank), ~1.7x the portable
-loops on 128-token prompt chunks, so the backend sends those here too. A segment of one or two tokens (each
-adapter's decode rows when 16 adapters share 32 sequences) streams each A row through 2 tokens x 4 sums and
-takes two-token expand loops with each B row widened once for both tokens: that path is bound by reading the
-adapters' weights (a register-tiled expand, which reads B column block by column block, was slower there).
+loops on 128-token prompt chunks, so the backend sends those here too. In bfloat16 on a CPU with AVX512-BF16 the
+shrink's tiles multiply bfloat16 pairs (`vdpbf16ps`, x and A read as they are): 3x the widened FMAs there.
+A segment of one or two tokens (each adapter's decode rows when 16 adapters share 32 sequences) reads each A
+row once for both tokens (4 partial sums a token) and takes two-token expand loops with each B row widened once
+for both tokens: that path is bound by reading the adapters' weights (a register-tiled expand, which reads B
+column block by column block, was slower there).
 Only each adapter's own rank is read (no max-rank padding), slices of rank 0 are skipped, x rows are read in
-place through the step's row list (no gather, no scatter), float32 and bfloat16 (widened to float32).
+place through the step's row list (no gather, no scatter), float32 and bfloat16 (widened to float32, float32 sums).
 
 Where the library comes from (`native_ops`, the loader of the worker's C++ extensions, as for the CPU ops
 of `model/cpu_attention.py`): a prebuilt library in `$LORAFLEET_CPU_OPS_DIR` for the best x86-64 level this
@@ -45,6 +48,7 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -174,6 +178,39 @@ inline int64_t expand_tile(const float* coef, int64_t R, const T* b, int64_t bs,
 }
 #endif
 
+#if defined(LF_AVX2) && defined(__GNUC__)
+// bfloat16 shrink tiles with AVX512-BF16 `vdpbf16ps` (32 products of bfloat16 pairs into 16 float32 lanes an
+// instruction, twice a widened FMA's work and no widening): compiled function by function into every x86 build
+// (the prebuilt x86-64-v3 / v4 libraries too) and taken where the CPU has it (`has_bf16_dot`). The products are
+// exact in float32, summed with float32 rounding (denormal inputs read as zero), as the FMA tiles sum them.
+#define LF_BF16_DOT 1
+#define LF_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+bool has_bf16_dot() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
+
+// sums[t * 2 + i] = x[t] · a[i] over K (a multiple of 32) for 4 bfloat16 rows x and 2 bfloat16 rows a
+LF_BF16_TARGET void dot_tile_bf16(const at::BFloat16* const* x, const at::BFloat16* const* a, int64_t K, float* sums) {
+  __m512 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(a[0] + k), w1 = (__m512bh)_mm512_loadu_si512(a[1] + k);
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[t] + k);
+      acc[2 * t] = _mm512_dpbf16_ps(acc[2 * t], xv, w0);
+      acc[2 * t + 1] = _mm512_dpbf16_ps(acc[2 * t + 1], xv, w1);
+    }
+  }
+  for (int i = 0; i < 8; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+#else
+bool has_bf16_dot() { return false; }
+#endif
+
 template <typename T>
 void run(const at::Tensor& x, at::Tensor& out, const at::Tensor& A, const at::Tensor& B,
          const at::Tensor& ranks, const at::Tensor& scalings, const std::vector<int64_t>& offs,
@@ -215,6 +252,7 @@ void run(const at::Tensor& x, at::Tensor& out, const at::Tensor& A, const at::Te
     }
   }
   if (shrink.empty()) return;
+  static const bool bf16_dot = has_bf16_dot();
   // below ~64k multiply-adds a pass runs on the calling thread: waking the pool costs more than it saves
   const int64_t small = 1 << 16;
 
@@ -228,6 +266,23 @@ void run(const at::Tensor& x, at::Tensor& out, const at::Tensor& A, const at::Te
       const T* a_base = ap + sg.slot * as_slot + s * as_slice;
       for (int64_t p0 = shrink[it].p0; p0 < p1; p0 += TB) {
         const int64_t nt = std::min<int64_t>(TB, p1 - p0);
+#ifdef LF_BF16_DOT
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          if (bf16_dot && nt > 2 && K % 32 == 0) {  // 4 tokens x 2 rank rows in bfloat16 pairs, x read in place
+            const at::BFloat16* xb[TB];
+            for (int64_t t = 0; t < TB; ++t) xb[t] = xp + (int64_t)rp[p0 + std::min(t, nt - 1)] * xs;
+            for (int64_t j = 0; j < r; j += 2) {
+              const at::BFloat16* a[2] = {a_base + j * as_rank, a_base + std::min(j + 1, r - 1) * as_rank};
+              float sums[8];
+              dot_tile_bf16(xb, a, K, sums);
+              for (int64_t t = 0; t < nt; ++t)
+                for (int64_t i = 0; i < std::min<int64_t>(2, r - j); ++i)
+                  xa[((p0 + t) * n_slices + s) * R + j + i] = sums[t * 2 + i];
+            }
+            continue;
+          }
+        }
+#endif
         const float* xr[TB];
         for (int64_t t = 0; t < TB; ++t)  // a short block repeats its last token (widened once)
           xr[t] = t < nt ? widen<T>(xp + (int64_t)rp[p0 + t] * xs, xbuf.data() + t * K, K) : xr[nt - 1];
@@ -386,7 +441,7 @@ void lora_small(at::Tensor x, at::Tensor out, at::Tensor A, at::Tensor B, at::Te
 """
 
 
-EXT_NAME = "lorafleet_cpu_lora_v7"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+EXT_NAME = "lorafleet_cpu_lora_v8"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
 EXTENSION = native_ops.Extension(
     name=EXT_NAME,
     source=_SOURCE,
