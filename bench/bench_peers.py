@@ -384,9 +384,12 @@ def paired_passes(servers: dict[str, Server], c: int, n: int, vocab: int, adapte
         order = ["lorafleet", "llama.cpp"] if i % 4 in (0, 3) else ["llama.cpp", "lorafleet"]
         for system in order:
             idle = next(sv for name, sv in servers.items() if name != system)
-            idle_before = idle.cpu_s()
+            idle_before, busy_before, client_before = idle.cpu_s(), servers[system].cpu_s(), time.process_time()
             got = asyncio.run(timed_pass(servers[system], prompts, picks, c))
             got["idle_peer_cpu_s"] = round(idle.cpu_s() - idle_before, 3)
+            # the server's CPU seconds in the pass, and the harness's own (it shares the cores with the server)
+            got["server_cpu_s"] = round(servers[system].cpu_s() - busy_before, 3)
+            got["client_cpu_s"] = round(time.process_time() - client_before, 3)
             passes[system].append(got)
         a, b = passes["lorafleet"][-1], passes["llama.cpp"][-1]
         log(f"  c={c} pair {i + 1}/{n}: ITL p50 {a['itl_p50_ms']} vs {b['itl_p50_ms']} ms (load {b['loadavg_1']})")

@@ -57,11 +57,12 @@ class LoRABackend(Protocol):
         ...
 
 
-# An adapter with at most this many tokens in the step goes to the grouped C++ kernel. Measured in-process at
-# c = 32 (bf16, 30 layers, all seven projections; LoRA time of the two prefill steps of a pass): 16 adapters x
-# 128-token prompt chunks (ranks 8-64) 0.75 s in the kernel vs 1.10 s in per-adapter matmuls (~15 torch ops per
-# adapter and layer); 4 adapters x 512-token chunks 1.05 s vs 0.70 s, where oneDNN's matmuls win on FLOPs.
-SMALL_SEGMENT = 128
+# An adapter with at most this many tokens in the step goes to the grouped C++ kernel; one with more (a long
+# prompt chunk) to per-adapter matmuls, which win on FLOPs once a segment is long. Measured with the server at
+# c = 32 (w8a8_int8, real model, 2026-11-27; `bench/README.md` "Eleventh pass"), tok/s at 128 -> 512: mixed16 (16
+# adapters, two 128-token prompts each a step) 298-317 -> 333-344, trained4 373 -> 396; one adapter (a 2048-token
+# segment) 446 at 512 against 430 with that segment in the kernel too.
+SMALL_SEGMENT = 512
 GROUPED = ("cpp", "torch")
 
 Segment = tuple[int, int, int, int]  # (slot, start, end) into sorted_token_ids, first row of its tokens or -1
