@@ -42,7 +42,8 @@ from lorafleet_worker import native_ops
 
 ENV = "LORAFLEET_CPU_LORA"
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -50,8 +51,10 @@ _SOURCE = r"""
 #include <cstring>
 #include <type_traits>
 #include <vector>
+"""
+    + native_ops.SIMD8
+    + r"""
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define LF_AVX2 1
 #endif
 
@@ -92,25 +95,7 @@ struct Seg {
 #ifdef LF_AVX2
 // Register tiles (AVX2 + FMA; on AVX-512 machines as fast: Zen 4 splits a zmm FMA in two): 8 independent
 // accumulators keep both FMA pipes busy, where the portable loops below ran one dependent chain per sum.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-inline float reduce8(__m256 a) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
-}
-inline void store8(float* p, __m256 f) { _mm256_storeu_ps(p, f); }
-inline void store8(at::BFloat16* p, __m256 f) {  // round to nearest even, NaN kept a quiet NaN (as c10 rounds)
-  const __m256i b = _mm256_castps_si256(f);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(r),
-                                                                   _mm256_extracti128_si256(r, 1)));
-}
+// (load8, reduce8, store8: `native_ops.SIMD8`, pasted after the includes)
 
 // sums[t * NA + i] = x[t] · a[i] over K (a multiple of 8) for NT float rows x and NA rows a of T; NT * NA * U = 8
 // accumulators, U of them over consecutive k for each product (one row of A then streams through 8 FMA chains)
@@ -439,9 +424,10 @@ void lora_small(at::Tensor x, at::Tensor out, at::Tensor A, at::Tensor B, at::Te
   }
 }
 """
+)
 
 
-EXT_NAME = "lorafleet_cpu_lora_v8"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+EXT_NAME = "lorafleet_cpu_lora_v9"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
 EXTENSION = native_ops.Extension(
     name=EXT_NAME,
     source=_SOURCE,

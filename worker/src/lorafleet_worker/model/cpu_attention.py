@@ -32,7 +32,8 @@ from lorafleet_worker import native_ops
 if TYPE_CHECKING:
     from lorafleet_worker.model.forward_batch import ForwardBatch
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -86,27 +87,16 @@ static inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
-// 8 values of T as float (also on AVX-512 builds: SiLU x up below uses them)
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const at::BFloat16* p) {
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-// AVX2: 8 floats a register. Without these the dot product below stays a scalar chain (GCC does not reorder a
+// AVX2: 8 floats a register (`native_ops.SIMD8`: load8, reduce8, store8, bf16_bits8; also on AVX-512 builds, where
+// SiLU x up below uses them). Without them the dot product below stays a scalar chain (GCC does not reorder a
 // float sum without -ffast-math): 64 dependent FMAs per score, 10 % of a one-user decode step on an AVX2 EPYC.
-static inline float reduce8(__m256 a) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
-}
-#endif
+"""
+    + native_ops.SIMD8
+    + r"""
 
 #if defined(__AVX2__) && defined(__FMA__)
 // Eight lanes of the scalar helpers above, the same arithmetic: `exp_nonpos`, a float's rounding to T (bfloat16:
-// to nearest even, NaN kept a quiet NaN, as c10::BFloat16 rounds) and back, stores of T.
+// to nearest even, NaN kept a quiet NaN, as c10::BFloat16 rounds) and back.
 static inline __m256 exp_nonpos8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
   const __m256 magic = _mm256_set1_ps(12582912.0f);
@@ -123,22 +113,9 @@ static inline __m256 exp_nonpos8(__m256 x) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
-static inline __m256i bf16_bits8(__m256 f) {  // round to nearest even; the 16 bits in each lane's low half
-  const __m256i b = _mm256_castps_si256(f);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
-  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
-}
 static inline __m256 round8(__m256 f, float) { return f; }
 static inline __m256 round8(__m256 f, at::BFloat16) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(f), 16));
-}
-static inline void store8(float* p, __m256 f) { _mm256_storeu_ps(p, f); }
-static inline void store8(at::BFloat16* p, __m256 f) {
-  const __m256i b = bf16_bits8(f);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }
 #endif
 
@@ -777,8 +754,9 @@ at::Tensor decode_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, c10:
   return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window).view({T, H * D});
 }
 """
+)
 
-EXT_NAME = "lorafleet_cpu_ops_v16"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
+EXT_NAME = "lorafleet_cpu_ops_v17"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
 EXTENSION = native_ops.Extension(
     name=EXT_NAME,
     source=_SOURCE,
