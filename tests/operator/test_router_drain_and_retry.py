@@ -182,3 +182,41 @@ async def test_the_only_holder_failing_once_is_tried_again(front: Front) -> None
         assert r.status == 200, await r.text()
         assert (await r.json())["choices"][0]["text"] == " now"
     assert time.monotonic() - t0 < UNAVAILABLE_WAIT / 2  # well before the wait would have run out
+
+
+def _model(name: str, created: str, status: dict[str, Any]) -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}", "creationTimestamp": created},
+            "spec": {"modelName": ADAPTER, "baseModelName": REAL_BASE, "modelType": "lora"},
+            "status": status}  # fmt: skip
+
+
+async def test_a_name_handed_over_waits_for_its_next_owner_a_failed_model_does_not(front: Front) -> None:
+    """The owner of a name is deleted before the router sees its successor's endpoints: the successor's
+    last status is still the ``ModelNameConflict`` it had as the younger claimant (phase Failed). That is a
+    handover in progress, so the request waits for the endpoints instead of failing at once (the e2e
+    handover test saw 503s there); a model that failed for another reason is answered 503 at once."""
+    table = front.router.table
+    owner = next(iter(table.models.values()))
+    holder = owner.status["endpoints"]
+    conflict = {"phase": "Failed", "conditions": [{"type": "Ready", "status": "False", "reason": "ModelNameConflict"}]}
+    table.on_model("DELETED", _model("drain", "2026-01-01T00:00:01Z", {}))
+    table.on_model("ADDED", _model("next", "2026-01-01T00:00:02Z", conflict))
+
+    async def publish() -> None:
+        await asyncio.sleep(0.5)
+        table.on_model("MODIFIED", _model("next", "2026-01-01T00:00:02Z", {"phase": "Ready", "endpoints": holder}))
+
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession() as http:
+        publishing = asyncio.create_task(publish())
+        async with http.post(front.url + "/v1/completions", json=_body(False)) as r:
+            assert r.status == 200, await r.text()
+        await publishing
+        assert 0.5 <= time.monotonic() - t0 < UNAVAILABLE_WAIT / 2
+
+        failed = {"phase": "Failed", "conditions": [{"type": "Ready", "status": "False", "reason": "SyncFailed"}]}
+        table.on_model("MODIFIED", _model("next", "2026-01-01T00:00:02Z", failed))
+        t0 = time.monotonic()
+        async with http.post(front.url + "/v1/completions", json=_body(False)) as r:
+            assert r.status == 503 and "no reachable worker" in await r.text()
+        assert time.monotonic() - t0 < UNAVAILABLE_WAIT / 2

@@ -11,9 +11,12 @@ aiohttp process that can run several replicas):
 
 A connection failure before the first response byte (a pod that died, was killed mid-request, or
 refuses connections), or a 404/503 from a worker that has just dropped the adapter, is retried on
-another endpoint. A non-streamed answer is read whole from the worker before the client sees a
-byte, so a worker dying while it sends it is retried too; a stream passes through as it comes,
-and breaks if its worker dies after its first byte (the client sees the connection end early).
+another endpoint. With no holder ready (a re-placement, a name handed over to the next DynamoModel
+claiming it) a request waits up to ``--router-unavailable-wait`` for one, unless its model has failed
+for good (phase ``Failed`` other than a name conflict). A non-streamed answer is read whole from the
+worker before the client sees a byte, so a worker dying while it sends it is retried too; a stream
+passes through as it comes, and breaks if its worker dies after its first byte (the client sees the
+connection end early).
 ``/v1/models`` lists base models with a Ready pod and adapters with a ready endpoint. Unknown model ->
 404 in OpenAI's error shape.
 """
@@ -38,6 +41,7 @@ from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lorafleet_operator import metrics
+from lorafleet_operator import status as st
 from lorafleet_operator.demand import DemandTracker
 from lorafleet_operator.resources import Model, Pod
 from lorafleet_operator.routing_policy import CacheAware, Route, RoutingPolicy, make_policy, route_of
@@ -141,6 +145,14 @@ class RoutingTable:
             if model.is_lora and not model.deleting and self.adapter_endpoints(model):
                 data.append(_model_card(model.model_name, self.created.get(model.model_name, 0), model.base_model_name))
         return data
+
+
+def _failed(model: Model) -> bool:
+    """Whether ``model`` cannot be served until someone changes it, so a request need not wait for it.
+    A ``ModelNameConflict`` is not such a failure once the router picks that model as the name's owner:
+    the older owner is gone and the operator is handing the name over (its next status has endpoints)."""
+    ready = st.condition(model.status, "Ready") or {}
+    return model.status.get("phase") == "Failed" and ready.get("reason") != st.MODEL_NAME_CONFLICT
 
 
 def _model_card(name: str, created: int, parent: str | None) -> dict[str, Any]:
@@ -284,8 +296,7 @@ class Router:
                 (self.demand.dispatch if on else self.demand.requeue)(key)
                 state["dispatched"] = on
 
-        failed = model is not None and model.status.get("phase") == "Failed"
-        deadline = time.monotonic() + (0 if failed else self.unavailable_wait)
+        deadline = time.monotonic() + (0 if model is not None and _failed(model) else self.unavailable_wait)
         attempts, pause = 0, 0.2
         while True:
             endpoint = self.choose(endpoints, tried)
