@@ -442,12 +442,15 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """lorafleet / llama.cpp per (pair, scenario, concurrency): tok/s (best round) and ITL p50 ratios."""
+    """lorafleet / llama.cpp per (pair, scenario, concurrency): tok/s and ITL p50 ratios (paired passes: the
+    median of the per-pair ratios with its 95 % interval, tok/s the median pass of each; rounds: best round)."""
     rows = []
     for r in results:
         for c, p in r.get("paired", {}).items():
+            tok_s = {name: round(statistics.median(x["tok_s"] for x in xs), 2) for name, xs in p["passes"].items()}
             rows.append({
                 "pair": r["pair"], "scenario": r["scenario"], "concurrency": int(c), "paired": p["pairs"],
+                "lorafleet_tok_s": tok_s["lorafleet"], "llama_tok_s": tok_s["llama.cpp"],
                 "lorafleet_itl_p50_ms": p["itl_p50_ms"]["lorafleet"], "llama_itl_p50_ms": p["itl_p50_ms"]["llama.cpp"],
                 "itl_ratio": p["itl_ratio"]["median"], "itl_ratio_ci95": p["itl_ratio"]["ci95"],
                 "tok_s_ratio": p["tok_s_ratio"]["median"], "tok_s_ratio_ci95": p["tok_s_ratio"]["ci95"],

@@ -13,8 +13,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import log, read_json, results_dir
 
-TARGETS = {"lorafleet_vs_base": 0.85, "lorafleet_vs_peft": 5.0}
-
 
 def table(header: list[str], rows: list[list[Any]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -166,12 +164,15 @@ def peers_section(data: dict[str, Any]) -> list[str]:
     if agree:
         lines += ["Greedy agreement (24 tokens, real-text prompts; first differing character where they differ):", ""]
         lines += [table(["pair", "scenario", "adapter", "same text", "first diff at"], agree), ""]
-    rows = [[r["pair"], r["scenario"], r["concurrency"], r["lorafleet_tok_s"], r["llama_tok_s"], r["tok_s_ratio"],
-             r["lorafleet_itl_p50_ms"], r["llama_itl_p50_ms"], r["itl_ratio"]]
+    rows = [[r["pair"], r["scenario"], r["concurrency"], r["lorafleet_tok_s"], r["llama_tok_s"],
+             with_interval(r["tok_s_ratio"], r.get("tok_s_ratio_ci95")), r["lorafleet_itl_p50_ms"],
+             r["llama_itl_p50_ms"], with_interval(r["itl_ratio"], r.get("itl_ratio_ci95")), r.get("paired", "")]
             for r in data.get("ratios", [])]  # fmt: skip
-    header = ["pair", "scenario", "conc.", "lorafleet tok/s", "llama.cpp tok/s", "tok/s ÷", "lorafleet ITL p50 ms",
-              "llama.cpp ITL p50 ms", "ITL ÷"]  # fmt: skip
-    lines += ["Ratios (output tokens/s of wall time, prefill included; best round):", "", table(header, rows), ""]
+    header = ["pair", "scenario", "conc.", "lorafleet tok/s", "llama.cpp tok/s", "tok/s ÷ [95 %]",
+              "lorafleet ITL p50 ms", "llama.cpp ITL p50 ms", "ITL ÷ [95 %]", "pairs"]  # fmt: skip
+    how = ("paired passes A B B A: medians of the per-pair ratios, tok/s of the median pass"
+           if any("paired" in r for r in data.get("ratios", [])) else "best round")  # fmt: skip
+    lines += [f"Ratios (output tokens/s of wall time, prefill included; {how}):", "", table(header, rows), ""]
     runs = [[r["pair"], r["scenario"], system, c, x["tok_s"], x["ttft_p50_ms"], x["itl_p50_ms"], x["itl_p99_ms"],
              r.get("peak_rss_mib", {}).get(system), x["loadavg_1"]]
             for r in data.get("results", []) for system, by_c in r["runs"].items() for c, xs in by_c.items()
@@ -181,20 +182,32 @@ def peers_section(data: dict[str, Any]) -> list[str]:
     return [*lines, "Every run:", "", table(header, runs), ""]
 
 
+def with_interval(value: float | None, ci95: list[float] | None) -> str:
+    """``1.23 [1.1, 1.3]`` (a paired median and its interval) or the bare value."""
+    if value is None:
+        return ""
+    return f"{value} [{ci95[0]}, {ci95[1]}]" if ci95 else str(value)
+
+
 def plot_peers(data: dict[str, Any], png: str) -> None:
-    """lorafleet ÷ llama.cpp output tok/s across concurrency, one line per (pair, scenario)."""
+    """lorafleet ÷ llama.cpp output tok/s across concurrency, one line per (pair, scenario); paired runs draw
+    each point's 95 % interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    lines: dict[str, list[tuple[int, float]]] = {}
+    lines: dict[str, list[tuple[int, float, list[float] | None]]] = {}
     for r in data.get("ratios", []):
-        lines.setdefault(f"{r['pair']} {r['scenario']}", []).append((r["concurrency"], r["tok_s_ratio"]))
+        point = (r["concurrency"], r["tok_s_ratio"], r.get("tok_s_ratio_ci95"))
+        lines.setdefault(f"{r['pair']} {r['scenario']}", []).append(point)
     for label, points in sorted(lines.items()):
-        points.sort()
-        ax.plot([c for c, _ in points], [v for _, v in points], marker="o", label=label)
+        points.sort(key=lambda p: p[0])
+        xs, ys = [c for c, _, _ in points], [v for _, v, _ in points]
+        low = [v - ci[0] if ci else 0.0 for _, v, ci in points]
+        high = [ci[1] - v if ci else 0.0 for _, v, ci in points]
+        ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, label=label)
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency")
