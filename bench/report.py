@@ -6,6 +6,7 @@ python bench/report.py
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -173,13 +174,19 @@ def peers_section(data: dict[str, Any]) -> list[str]:
     how = ("paired passes A B B A: medians of the per-pair ratios, tok/s of the median pass"
            if any("paired" in r for r in data.get("ratios", [])) else "best round")  # fmt: skip
     lines += [f"Ratios (output tokens/s of wall time, prefill included; {how}):", "", table(header, rows), ""]
-    runs = [[r["pair"], r["scenario"], system, c, x["tok_s"], x["ttft_p50_ms"], x["itl_p50_ms"], x["itl_p99_ms"],
-             r.get("peak_rss_mib", {}).get(system), x["loadavg_1"]]
+    fields = ("tok_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")
+    runs = [[r["pair"], r["scenario"], system, c, *(x[f] for f in fields), r.get("peak_rss_mib", {}).get(system),
+             x["loadavg_1"]]
             for r in data.get("results", []) for system, by_c in r["runs"].items() for c, xs in by_c.items()
             for x in xs]  # fmt: skip
+    runs += [[r["pair"], r["scenario"], system, c, *(statistics.median(x[f] for x in xs) for f in fields),
+              r.get("peak_rss_mib", {}).get(system), max(x["loadavg_1"] for x in xs)]
+             for r in data.get("results", []) for c, p in r.get("paired", {}).items()
+             for system, xs in p["passes"].items()]  # fmt: skip
     header = ["pair", "scenario", "server", "conc.", "tok/s", "TTFT p50 ms", "ITL p50 ms", "ITL p99 ms",
               "peak RSS MiB", "load 1m"]  # fmt: skip
-    return [*lines, "Every run:", "", table(header, runs), ""]
+    return [*lines, "Every run (paired passes: the median pass of each figure, the highest load):", "",
+            table(header, runs), ""]  # fmt: skip
 
 
 def with_interval(value: float | None, ci95: list[float] | None) -> str:
@@ -198,18 +205,25 @@ def plot_peers(data: dict[str, Any], png: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    lines: dict[str, list[tuple[int, float, list[float] | None]]] = {}
+    lines: dict[tuple[str, str], list[tuple[int, float, list[float] | None]]] = {}
     for r in data.get("ratios", []):
         point = (r["concurrency"], r["tok_s_ratio"], r.get("tok_s_ratio_ci95"))
-        lines.setdefault(f"{r['pair']} {r['scenario']}", []).append(point)
-    for label, points in sorted(lines.items()):
+        lines.setdefault((r["pair"], r["scenario"]), []).append(point)
+    pairs = sorted({pair for pair, _ in lines})
+    scenarios = sorted({scenario for _, scenario in lines})
+    styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D"]
+    for (pair, scenario), points in sorted(lines.items()):
         points.sort(key=lambda p: p[0])
         xs, ys = [c for c, _, _ in points], [v for _, v, _ in points]
         low = [v - ci[0] if ci else 0.0 for _, v, ci in points]
         high = [ci[1] - v if ci else 0.0 for _, v, ci in points]
-        ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, label=label)
+        k = pairs.index(pair) % len(styles)
+        ax.errorbar(xs, ys, yerr=[low, high], capsize=3, label=f"{pair} {scenario}", linestyle=styles[k],
+                    marker=markers[k], color=f"C{scenarios.index(scenario) % 10}")  # fmt: skip
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
+    concurrencies = sorted({c for points in lines.values() for c, _, _ in points})
+    ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
     ax.set_xlabel("concurrency")
     ax.set_ylabel("lorafleet ÷ llama.cpp (output tok/s)")
     ax.set_title("lorafleet vs llama.cpp llama-server, SmolLM2-135M, CPU")

@@ -68,7 +68,8 @@ def test_cpu_seconds_count_the_process_tree(peers: ModuleType) -> None:
 
 def _paired(peers: ModuleType, ours: list[float], theirs: list[float]) -> dict:
     """A paired result as `paired_passes` records it, from each pass's tok/s (ITL: 1000 / tok/s)."""
-    passes = {name: [{"tok_s": t, "itl_p50_ms": round(1000 / t, 2)} for t in tok]
+    passes = {name: [{"tok_s": t, "itl_p50_ms": round(1000 / t, 2), "ttft_p50_ms": 500.0, "itl_p99_ms": 90.0,
+                      "loadavg_1": 1.0} for t in tok]
               for name, tok in (("lorafleet", ours), ("llama.cpp", theirs))}  # fmt: skip
     return {"passes": passes, "pairs": len(ours), "requests_per_pass": 32,
             "itl_ratio": peers.ratio_summary([b / a for a, b in zip(ours, theirs, strict=True)]),
@@ -96,5 +97,6 @@ def test_a_paired_run_reports_its_medians_intervals_and_plot(
             "results": results, "ratios": rows}  # fmt: skip
     text = "\n".join(report.peers_section(data))
     assert f"| w8a8:Q8_0 | one | 32 | 420.0 | 165.0 | {c32['tok_s_ratio']} [{low}, {high}] |" in text
+    assert "| w8a8:Q8_0 | one | llama.cpp | 32 | 165.0 | 500.0 |" in text  # each server's median pass
     report.plot_peers(data, "peers.png")
     assert (tmp_path / "peers.png").read_bytes()[:4] == b"\x89PNG"
