@@ -177,8 +177,8 @@ def run_lorafleet(
     dtype: str = "float32",
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Throughput passes at each concurrency, then (if `breakdown_c`) one timed pass: ms per decode-step part."""
-    from lorafleet_worker.engine import Engine
-    from lorafleet_worker.sampling import SamplingParams
+    from lorafleet_worker.core.engine import Engine
+    from lorafleet_worker.sample.sampler import SamplingParams
 
     spec = SCENARIOS[scenario]
     adapters = scenario_adapters(scenario, model)
@@ -359,8 +359,8 @@ def run_ab(model: Path, concurrencies: list[int], rounds: int, device: str) -> d
     idle Engine in the same process halved PEFT mixed16's throughput (61.3 -> 32.2 tok/s at c=32,
     bench/README.md), so comparisons with the peer come from the separate-process runs.
     """
-    from lorafleet_worker.engine import Engine
-    from lorafleet_worker.sampling import SamplingParams
+    from lorafleet_worker.core.engine import Engine
+    from lorafleet_worker.sample.sampler import SamplingParams
 
     adapters = scenario_adapters("mixed16", model)
     names = [n for n, _ in adapters]

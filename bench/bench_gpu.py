@@ -226,7 +226,7 @@ def bench_attention(
 async def _decode_run(
     engine: Any, adapters: list[str], num_seqs: int, prompt_len: int, max_tokens: int
 ) -> dict[str, Any]:
-    from lorafleet_worker.sampling import SamplingParams
+    from lorafleet_worker.sample.sampler import SamplingParams
 
     vocab = engine.config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -266,7 +266,7 @@ async def bench_e2e(
     max_tokens: int,
     quantization: str | None = None,
 ) -> list[dict[str, Any]]:
-    from lorafleet_worker.engine import Engine
+    from lorafleet_worker.core.engine import Engine
 
     max_loras = max(1, len(adapter_dirs))
     engine = Engine(

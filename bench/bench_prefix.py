@@ -78,7 +78,7 @@ def _cpu_seconds() -> float:
 
 
 async def run_workload(fleet: Fleet, args: argparse.Namespace, systems: list[list[int]], reuse: bool) -> dict[str, Any]:
-    from lorafleet_worker.sampling import SamplingParams
+    from lorafleet_worker.sample.sampler import SamplingParams
 
     params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True)
     ttfts: list[float] = []
@@ -138,7 +138,7 @@ async def run_workload(fleet: Fleet, args: argparse.Namespace, systems: list[lis
 
 
 async def scenario(args: argparse.Namespace, *, pods: int, caching: bool, policy: str | None, reuse: bool) -> Any:
-    from lorafleet_worker.engine import Engine
+    from lorafleet_worker.core.engine import Engine
 
     model = bench_model("llama-prefix", **MODEL)
     engines = []

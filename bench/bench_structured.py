@@ -64,7 +64,7 @@ COMPILE_SCHEMAS: dict[str, dict[str, Any]] = {
 
 
 async def one_pass(engine: Any, prompts: list[list[int]], args: argparse.Namespace, grammar: Any) -> dict[str, Any]:
-    from lorafleet_worker.sampling import SamplingParams
+    from lorafleet_worker.sample.sampler import SamplingParams
 
     queue: asyncio.Queue[tuple[int, list[int]]] = asyncio.Queue()
     for item in enumerate(prompts):
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
 
-    from lorafleet_worker.engine import Engine
+    from lorafleet_worker.core.engine import Engine
     from lorafleet_worker.structured.grammar import GrammarCompiler, GrammarSpec
     from lorafleet_worker.tokenizer import Tokenizer
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lorafleet_worker import huge_pages
+from lorafleet_worker.host import huge_pages
 
 CACHE = Path(os.environ.get("LORAFLEET_CACHE", Path.home() / ".cache" / "lorafleet")) / "bench"
 OUT_DIR = Path(__file__).resolve().parent

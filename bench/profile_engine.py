@@ -91,9 +91,9 @@ class StepProfiler:
 
 
 def profile(model: Path, scenario: str, concurrency: int, profile_steps: int) -> None:
-    import lorafleet_worker.engine as engine_mod
-    from lorafleet_worker.engine import Engine
-    from lorafleet_worker.sampling import SamplingParams
+    import lorafleet_worker.core.engine as engine_mod
+    from lorafleet_worker.core.engine import Engine
+    from lorafleet_worker.sample.sampler import SamplingParams
 
     spec = SCENARIOS[scenario]
     adapters = scenario_adapters(scenario, model)

@@ -215,7 +215,7 @@ class StepBreakdown:
     """
 
     def __init__(self, engine: Any) -> None:
-        import lorafleet_worker.engine as engine_mod
+        import lorafleet_worker.core.engine as engine_mod
         import lorafleet_worker.model.transformer as model_mod
         from lorafleet_worker.model import cpu_attention
 

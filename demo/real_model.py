@@ -246,8 +246,8 @@ def worker_scores(path: Path, prompts: list[list[int]]) -> list[tuple[list[float
     """The worker engine's prompt log-probs and top next-token log-probs for each prompt (fp32, greedy)."""
     import asyncio
 
-    from lorafleet_worker.engine import Engine
-    from lorafleet_worker.sampling import SamplingParams
+    from lorafleet_worker.core.engine import Engine
+    from lorafleet_worker.sample.sampler import SamplingParams
 
     engine = Engine(path, dtype="float32", max_loras=0, max_num_seqs=len(prompts), max_model_len=256, num_kv_blocks=64)
 

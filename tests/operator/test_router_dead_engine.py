@@ -21,8 +21,8 @@ from aiohttp import web
 from lorafleet_devcluster.nodeagent import AddressBlock
 from lorafleet_operator import metrics
 from lorafleet_operator.router import Router, RoutingTable
-from lorafleet_worker.server import http_server
-from lorafleet_worker.server_inference import build_inference_app
+from lorafleet_worker.api.app import http_server
+from lorafleet_worker.api.inference import build_inference_app
 from lorafleet_worker.service import WorkerService, WorkerSettings
 
 from .conftest import INFER_PORT, MGMT_PORT, REAL_BASE, pod_body

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lorafleet_worker.engine import Engine
+from lorafleet_worker.core.engine import Engine
 from lorafleet_worker.lora.adapter import LoRAAdapter
-from lorafleet_worker.sampling import SamplingParams, TokenOutput
+from lorafleet_worker.sample.sampler import SamplingParams, TokenOutput
 
 PROMPT = [5, 17, 42, 99, 3]
 

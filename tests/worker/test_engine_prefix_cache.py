@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from lorafleet_worker.engine import Engine
+from lorafleet_worker.core.engine import Engine
 from lorafleet_worker.lora.manager import AdapterRef
-from lorafleet_worker.sampling import SamplingParams
+from lorafleet_worker.sample.sampler import SamplingParams
 
 # the fixtures come from test_engine (its engine factory, adapters and transformers + PEFT reference)
 from tests.worker.test_engine import (  # noqa: F401

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from lorafleet_worker.engine import Engine
-from lorafleet_worker.sampling import SamplingParams, TokenOutput
+from lorafleet_worker.core.engine import Engine
+from lorafleet_worker.sample.sampler import SamplingParams, TokenOutput
 
 TOLERANCE = 1e-3
 

@@ -230,7 +230,7 @@ def test_admin_token(shared_worker: Worker, good_adapter: Path) -> None:
 
 async def test_lora_disabled_refuses_loads(tmp_path: Path) -> None:
     """DYN_LORA_ENABLED=false: loads are refused with a clear 400 (checked in-process, no engine needed)."""
-    from lorafleet_worker.protocol import APIError
+    from lorafleet_worker.api.protocol import APIError
     from lorafleet_worker.service import WorkerService, WorkerSettings
 
     service = WorkerService(WorkerSettings(model_dir=tmp_path, served_model_name="m", lora_enabled=False))

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from lorafleet_worker.protocol import APIError, check_lora_name
+from lorafleet_worker.api.protocol import APIError, check_lora_name
 from lorafleet_worker.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 TEXTS = ["Hello, world! How are you?", "  two  spaces, tabs\tand\nnewlines", "é ü 漢字 🙂 mixed", "x"]

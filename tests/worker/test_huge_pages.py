@@ -7,12 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lorafleet_worker import huge_pages
+from lorafleet_worker.host import huge_pages
 
 # A worker entry point run in a fresh interpreter, then one 32 MB tensor: how much of the process is on huge pages.
 PROBE = """
 import sys
-from lorafleet_worker import cli, huge_pages
+from lorafleet_worker import cli
+from lorafleet_worker.host import huge_pages
 cli.main(["make-tiny-model", sys.argv[1], "--arch", "llama"])
 import torch
 t = torch.ones(8 << 20)  # kept alive while it is measured

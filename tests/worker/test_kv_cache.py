@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lorafleet_worker.config import ModelConfig
-from lorafleet_worker.kv_cache import BlockPool, PagedKVCache, block_table_tensor
+from lorafleet_worker.core.kv_cache import BlockPool, PagedKVCache, block_table_tensor
 
 CONFIG = ModelConfig.from_dict(
     {

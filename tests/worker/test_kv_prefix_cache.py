@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 from lorafleet_worker.config import ModelConfig
-from lorafleet_worker.kv_cache import ROOT_HASH, BlockPool, PagedKVCache, hash_block
+from lorafleet_worker.core.kv_cache import ROOT_HASH, BlockPool, PagedKVCache, hash_block
+from lorafleet_worker.core.scheduler import Scheduler, SeqStatus, Sequence
 from lorafleet_worker.lora.manager import AdapterManager
-from lorafleet_worker.sampling import SamplingParams
-from lorafleet_worker.scheduler import Scheduler, SeqStatus, Sequence
+from lorafleet_worker.sample.sampler import SamplingParams
 
 CPU = torch.device("cpu")
 BS = 4

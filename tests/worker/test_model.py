@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from lorafleet_worker.batch_builder import build_forward_batch
 from lorafleet_worker.config import ModelConfig, ModelConfigError
+from lorafleet_worker.core.batch_builder import build_forward_batch
+from lorafleet_worker.core.kv_cache import PagedKVCache
+from lorafleet_worker.core.scheduler import ScheduledChunk, Sequence, StepPlan
 from lorafleet_worker.devtools import make_tiny_model
-from lorafleet_worker.kv_cache import PagedKVCache
 from lorafleet_worker.model import Transformer, cpu_attention
-from lorafleet_worker.sampling import SamplingParams
-from lorafleet_worker.scheduler import ScheduledChunk, Sequence, StepPlan
+from lorafleet_worker.sample.sampler import SamplingParams
 from safetensors.torch import load_file, save_file
 
 CPU = torch.device("cpu")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lorafleet_worker import omp_threads
+from lorafleet_worker.host import omp_threads
 
 # Run in a fresh interpreter (this one's pools are whatever earlier tests left): build an engine on the main
 # thread, load an adapter, serve a request through it, then count the OS threads Python did not start. With
@@ -19,9 +19,9 @@ from lorafleet_worker import omp_threads
 SCRIPT = r"""
 import asyncio, json, sys
 import torch
-import lorafleet_worker.engine as engine_mod
-from lorafleet_worker import omp_threads
-from lorafleet_worker.sampling import SamplingParams
+import lorafleet_worker.core.engine as engine_mod
+from lorafleet_worker.host import omp_threads
+from lorafleet_worker.sample.sampler import SamplingParams
 
 model_dir, adapter_dir, undisciplined = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 if undisciplined:

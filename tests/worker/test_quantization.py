@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from lorafleet_worker.engine import Engine
+from lorafleet_worker.core.engine import Engine
 from lorafleet_worker.model import quantization
 from lorafleet_worker.model.quantization import INT4_GROUP, quantize
-from lorafleet_worker.sampling import SamplingParams
+from lorafleet_worker.sample.sampler import SamplingParams
 from torch import nn
 
 from tests.worker.test_cpu_gemm import int8_blocks

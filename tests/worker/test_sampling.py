@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from lorafleet_worker.model import cpu_attention
-from lorafleet_worker.sampling import SampledToken, SamplingParams, SamplingState, make_generator
-from lorafleet_worker.sampling import sample as sample_states
+from lorafleet_worker.sample.sampler import SampledToken, SamplingParams, SamplingState, make_generator
+from lorafleet_worker.sample.sampler import sample as sample_states
 
 CPU = torch.device("cpu")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lorafleet_worker.sampling import (
+from lorafleet_worker.sample.sampler import (
     SamplingParams,
     SamplingState,
     filter_min_p,

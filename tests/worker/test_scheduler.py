@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 import torch
 from lorafleet_worker.config import ModelConfig
-from lorafleet_worker.kv_cache import PagedKVCache
+from lorafleet_worker.core.kv_cache import PagedKVCache
+from lorafleet_worker.core.scheduler import Scheduler, SeqStatus, Sequence, StepPlan
 from lorafleet_worker.lora.manager import AdapterManager
-from lorafleet_worker.sampling import SamplingParams
-from lorafleet_worker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan
+from lorafleet_worker.sample.sampler import SamplingParams
 
 CPU = torch.device("cpu")
 

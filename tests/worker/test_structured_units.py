@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 import torch
-from lorafleet_worker.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from lorafleet_worker.request_validation import structured_output, tool_plan
-from lorafleet_worker.sampling import SamplingParams, SamplingState, sample
+from lorafleet_worker.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from lorafleet_worker.api.validation import structured_output, tool_plan
+from lorafleet_worker.sample.sampler import SamplingParams, SamplingState, sample
 from lorafleet_worker.structured.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from lorafleet_worker.structured.masks import GrammarMasks
 from lorafleet_worker.structured.tool_calls import (

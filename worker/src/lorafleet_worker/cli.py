@@ -10,8 +10,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lorafleet_worker import huge_pages
-from lorafleet_worker.kv_events import KVEventsConfig
+from lorafleet_worker.core.kv_events import KVEventsConfig
+from lorafleet_worker.host import huge_pages
 from lorafleet_worker.structured.tool_calls import PARSER_NAMES
 
 log = logging.getLogger("lorafleet_worker")
@@ -47,7 +47,7 @@ def _port(value: str) -> int:
 
 
 def _memory_budget(value: str) -> str:
-    from lorafleet_worker.memory import MemoryBudget
+    from lorafleet_worker.core.memory import MemoryBudget
 
     try:
         MemoryBudget.parse(value)
@@ -242,7 +242,7 @@ def _chat_template(value: str | None) -> str | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from lorafleet_worker.server import run_worker
+    from lorafleet_worker.api.app import run_worker
     from lorafleet_worker.service import WorkerSettings
 
     if not (args.model / "config.json").is_file():

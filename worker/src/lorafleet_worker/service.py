@@ -18,15 +18,15 @@ from urllib.parse import quote
 from lorafleet_sync.errors import SourceError
 from lorafleet_sync.ids import lora_id
 
-from lorafleet_worker import huge_pages
+from lorafleet_worker.api.protocol import APIError, check_lora_name
+from lorafleet_worker.host import huge_pages
 from lorafleet_worker.metrics import WorkerMetrics
-from lorafleet_worker.protocol import APIError, check_lora_name
 from lorafleet_worker.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from lorafleet_sync.sources import AdapterSources
 
-    from lorafleet_worker.engine import Engine
+    from lorafleet_worker.core.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -159,10 +159,10 @@ class WorkerService:
         t0 = time.monotonic()
         log.info("loading model %s from %s (device=%s, dtype=%s)", self.model_name, s.model_dir, s.device, s.dtype)
         # torch & co. import for seconds: keep the event loop (and /health) responsive meanwhile
-        await asyncio.to_thread(importlib.import_module, "lorafleet_worker.engine")
+        await asyncio.to_thread(importlib.import_module, "lorafleet_worker.core.engine")
         from lorafleet_sync.sources import AdapterSources
 
-        from lorafleet_worker.engine import Engine
+        from lorafleet_worker.core.engine import Engine
 
         tokenizer = await asyncio.to_thread(Tokenizer.from_dir, s.model_dir, chat_template=s.chat_template)
         engine = await asyncio.to_thread(Engine, s.model_dir, **s.engine_kwargs())

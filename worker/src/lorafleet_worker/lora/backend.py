@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from ..devices import cpu_bf16_flag
+from ..host.devices import cpu_bf16_flag
 from .batch import LoRABatchInfo, build_batch_info
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..omp_threads import serial
+from ..host.omp_threads import serial
 from .adapter import LoRAAdapter
 from .errors import AdapterError, AdapterNotFoundError, CapacityError
 from .pool import LoRAPool

@@ -34,7 +34,7 @@ direct_linears = True
 GROUPS = ("qkv", "o", "gate_up", "down")
 
 if TYPE_CHECKING:
-    from lorafleet_worker.kv_cache import PagedKVCache
+    from lorafleet_worker.core.kv_cache import PagedKVCache
 
 
 class RMSNorm(nn.Module):

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lorafleet_worker.sampling import SamplingState
+from lorafleet_worker.sample.sampler import SamplingState
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,10 @@ from typing import Any
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import StreamingResponse
 
-from lorafleet_worker.generation import ClientDisconnected, Delta, Generation, TokenInfo
-from lorafleet_worker.protocol import (
+from lorafleet_worker.api.common import add_probe_routes, install_error_handlers, wait_for_disconnect
+from lorafleet_worker.api.generation import ClientDisconnected, Delta, Generation, TokenInfo
+from lorafleet_worker.api.management import success_body
+from lorafleet_worker.api.protocol import (
     MAX_CHOICES,
     APIError,
     ChatCompletionRequest,
@@ -24,11 +26,9 @@ from lorafleet_worker.protocol import (
     _SamplingBody,
     openai_error_body,
 )
-from lorafleet_worker.request_validation import prompt_ids, sampling_params, structured_output, tool_plan
-from lorafleet_worker.server_common import add_probe_routes, install_error_handlers, wait_for_disconnect
-from lorafleet_worker.server_management import success_body
+from lorafleet_worker.api.shapers import ChatShaper, Choice, CompletionShaper
+from lorafleet_worker.api.validation import prompt_ids, sampling_params, structured_output, tool_plan
 from lorafleet_worker.service import WorkerService, path_to_uri
-from lorafleet_worker.shapers import ChatShaper, Choice, CompletionShaper
 from lorafleet_worker.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec
 from lorafleet_worker.tokenizer import TokenizerError
 

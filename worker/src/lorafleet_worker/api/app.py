@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from lorafleet_worker.server_inference import build_inference_app
-from lorafleet_worker.server_management import build_management_app
+from lorafleet_worker.api.inference import build_inference_app
+from lorafleet_worker.api.management import build_management_app
 from lorafleet_worker.service import WorkerService, WorkerSettings
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lorafleet_worker.logits_processors import LogitsProcessor, build_processors
 from lorafleet_worker.model import cpu_attention
+from lorafleet_worker.sample.logits_processors import LogitsProcessor, build_processors
 
 MAX_LOGPROBS = 20
 

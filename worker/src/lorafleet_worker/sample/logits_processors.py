@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from lorafleet_worker.sampling import SamplingParams
+    from lorafleet_worker.sample.sampler import SamplingParams
 
 
 class LogitsProcessor(Protocol):

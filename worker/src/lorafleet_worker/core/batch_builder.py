@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lorafleet_worker.kv_cache import block_table_tensor
+from lorafleet_worker.core.kv_cache import block_table_tensor
+from lorafleet_worker.core.scheduler import StepPlan
 from lorafleet_worker.model.forward_batch import ForwardBatch, PrefillSeq
-from lorafleet_worker.scheduler import StepPlan
 
 
 def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> tuple[ForwardBatch, Tensor]:

@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafleet_worker.generation import Delta, Generation, TokenInfo, new_request_id
-from lorafleet_worker.protocol import _SamplingBody
+from lorafleet_worker.api.generation import Delta, Generation, TokenInfo, new_request_id
+from lorafleet_worker.api.protocol import _SamplingBody
 from lorafleet_worker.structured.tool_calls import ToolCallParser, ToolCallStream, tool_call_objects
 from lorafleet_worker.tokenizer import Tokenizer
 

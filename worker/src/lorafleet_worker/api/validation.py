@@ -10,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lorafleet_worker.protocol import (
+from lorafleet_worker.api.protocol import (
     APIError,
     ChatCompletionRequest,
     ChatTool,
     NamedToolChoice,
     _SamplingBody,
 )
-from lorafleet_worker.sampling import SamplingParams
+from lorafleet_worker.sample.sampler import SamplingParams
 from lorafleet_worker.structured.grammar import GrammarError, GrammarSpec
 from lorafleet_worker.structured.tool_calls import (
     NamedParser,

@@ -20,16 +20,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lorafleet_worker.batch_builder import build_forward_batch
 from lorafleet_worker.config import ModelConfig
-from lorafleet_worker.devices import resolve_dtype, resolve_lora_backend
-from lorafleet_worker.engine_errors import EngineUnavailableError
-from lorafleet_worker.kv_cache import PagedKVCache
-from lorafleet_worker.kv_events import KVEventsConfig, KVEventStream
-from lorafleet_worker.lora.backend import LoRABackend, get_backend
-from lorafleet_worker.lora.errors import AdapterNotFoundError, CapacityError
-from lorafleet_worker.lora.manager import AdapterManager
-from lorafleet_worker.memory import (
+from lorafleet_worker.core.batch_builder import build_forward_batch
+from lorafleet_worker.core.errors import EngineUnavailableError
+from lorafleet_worker.core.kv_cache import PagedKVCache
+from lorafleet_worker.core.kv_events import KVEventsConfig, KVEventStream
+from lorafleet_worker.core.memory import (
     MemoryBudget,
     MemoryPlan,
     activation_bytes,
@@ -37,10 +33,15 @@ from lorafleet_worker.memory import (
     plan_memory,
     weight_bytes,
 )
+from lorafleet_worker.core.scheduler import Scheduler, SeqStatus, Sequence, StepPlan
+from lorafleet_worker.host.devices import resolve_dtype, resolve_lora_backend
+from lorafleet_worker.host.omp_threads import on_fresh_thread, serial, size_team
+from lorafleet_worker.lora.backend import LoRABackend, get_backend
+from lorafleet_worker.lora.errors import AdapterNotFoundError, CapacityError
+from lorafleet_worker.lora.manager import AdapterManager
 from lorafleet_worker.model import LoRAContext, Transformer, cpu_attention, cpu_linear, parse_dtype
 from lorafleet_worker.model.quantization import check_supported as check_quantization
-from lorafleet_worker.omp_threads import on_fresh_thread, serial, size_team
-from lorafleet_worker.sampling import (
+from lorafleet_worker.sample.sampler import (
     SamplingParams,
     SamplingState,
     TokenConstraint,
@@ -48,7 +49,6 @@ from lorafleet_worker.sampling import (
     prompt_logprobs,
     sample,
 )
-from lorafleet_worker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan
 from lorafleet_worker.structured.masks import GrammarMasks
 
 log = logging.getLogger(__name__)

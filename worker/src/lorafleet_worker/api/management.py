@@ -6,8 +6,8 @@ from typing import Any
 
 from fastapi import FastAPI, Header
 
-from lorafleet_worker.protocol import LoadLoraRequest, management_error_body
-from lorafleet_worker.server_common import add_probe_routes, install_error_handlers
+from lorafleet_worker.api.common import add_probe_routes, install_error_handlers
+from lorafleet_worker.api.protocol import LoadLoraRequest, management_error_body
 from lorafleet_worker.service import LoadResult, WorkerService
 
 

@@ -31,8 +31,8 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafleet_worker.kv_cache import ROOT_HASH, PagedKVCache, hash_block
-from lorafleet_worker.sampling import SamplingParams, SamplingState
+from lorafleet_worker.core.kv_cache import ROOT_HASH, PagedKVCache, hash_block
+from lorafleet_worker.sample.sampler import SamplingParams, SamplingState
 
 
 class SeqStatus(enum.Enum):

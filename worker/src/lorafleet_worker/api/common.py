@@ -11,9 +11,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lorafleet_worker.generation import ClientDisconnected
+from lorafleet_worker.api.generation import ClientDisconnected
+from lorafleet_worker.api.protocol import APIError, validation_message
 from lorafleet_worker.metrics import CONTENT_TYPE
-from lorafleet_worker.protocol import APIError, validation_message
 from lorafleet_worker.service import WorkerService
 
 log = logging.getLogger(__name__)

@@ -11,15 +11,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lorafleet_worker.engine_errors import EngineUnavailableError
-from lorafleet_worker.protocol import APIError
+from lorafleet_worker.api.protocol import APIError
+from lorafleet_worker.core.errors import EngineUnavailableError
 from lorafleet_worker.service import WorkerService
 from lorafleet_worker.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from lorafleet_worker.sampling import SamplingParams, TokenConstraint, TokenOutput
+    from lorafleet_worker.sample.sampler import SamplingParams, TokenConstraint, TokenOutput
 
 
 class ClientDisconnected(Exception):

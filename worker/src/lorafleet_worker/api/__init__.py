@@ -1,0 +1,1 @@
+"""The HTTP layer: the OpenAI-compatible and LoRA management apps, request validation and response shapes."""

@@ -1,0 +1,1 @@
+"""The machine the worker runs on: devices, CPU threads and huge pages."""

@@ -1,0 +1,1 @@
+"""Sampling: logits processors, penalties and the sampler."""
