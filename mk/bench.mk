@@ -1,4 +1,4 @@
-# Benchmarks (issue 8): they report, they never fail CI. Results go to bench/*.json, bench/REPORT.md, PNGs.
+# Benchmarks: they report, they never fail CI. Results go to bench/*.json, bench/REPORT.md and PNGs (bench/README.md).
 # LORAFLEET_BENCH_SMOKE=1 runs any of them on a ~1M-parameter model and writes to bench/smoke/ instead.
 # BENCH_ENGINE_ARGS narrows the engine run, e.g. BENCH_ENGINE_ARGS="--concurrency 1 8 32 --scenarios base mixed16".
 .PHONY: bench bench-prefix bench-engine bench-structured bench-dtype bench-loading bench-placement bench-operator bench-report bench-profile bench-micro bench-smoke
