@@ -103,6 +103,20 @@ def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     raise KeyError(name)
 
 
+def all_flags() -> set[str]:
+    """Every option string of every console script of the repository, subcommands included."""
+    flags: set[str] = set()
+    for script in console_scripts():
+        parsers = [script_parser(script)]
+        while parsers:
+            parser = parsers.pop()
+            for action in parser._actions:
+                flags.update(action.option_strings)
+                if isinstance(action, argparse._SubParsersAction):
+                    parsers.extend(action.choices.values())
+    return flags
+
+
 def options(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, str, str]]:
     """(flags, env, default, help) of each option, help excluded."""
     for action in parser._actions:

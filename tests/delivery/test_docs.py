@@ -103,6 +103,47 @@ def test_no_work_history(page: Path) -> None:
     assert not hits, hits
 
 
+SOURCES = ["worker", "operator", "jobs", "devcluster", "tools", "charts", "mk", "Makefile", "Dockerfile.worker"]
+ENV = re.compile(r"\b(?:LORAFLEET|DYN)_[A-Z0-9_]+\b")
+
+
+def source_text() -> str:
+    files = [p for s in SOURCES for p in ([ROOT / s] if (ROOT / s).is_file() else (ROOT / s).rglob("*"))]
+    keep = {".py", ".yaml", ".tpl", ".sh", ".mk", ""}
+    return "\n".join(p.read_text(errors="replace") for p in files if p.is_file() and p.suffix in keep)
+
+
+def test_environment_variables_in_the_docs_exist() -> None:
+    code = source_text()
+    named = {v for page in PAGES for v in ENV.findall(page.read_text())}
+    assert not {v for v in named if v not in code}, sorted(v for v in named if v not in code)
+
+
+def test_worker_environment_variables_are_documented() -> None:
+    """The operator's and router's variables are generated with their flags; the worker's are listed by hand."""
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    src = [*(ROOT / "worker" / "src").rglob("*.py"), *(ROOT / "jobs" / "src").rglob("*.py")]
+    read = {m for p in src for m in re.findall(r"[\"'](\b(?:LORAFLEET|DYN)_[A-Z0-9_]+)[\"']", p.read_text())}
+    assert "DYN_LORA_PATH" in read
+    assert not {v for v in read if f"`{v}`" not in reference}, sorted(v for v in read if f"`{v}`" not in reference)
+
+
+# Pages that document lorafleet's own commands, and the flags of other programs they mention.
+FLAG_PAGES = ["README.md", "docs/configuration.md", "docs/operator.md", "docs/worker-api.md",
+              "docs/troubleshooting.md", "docs/design/operator.md", "docs/design/router.md"]  # fmt: skip
+NOT_OURS = {"--api-key", "--lora-modules", "--converge-timeout", "--settle", "--fault-every"}
+
+
+def test_flags_in_the_docs_exist() -> None:
+    flags = gen_docs().all_flags()
+    assert "--max-loras" in flags and "--default-replicas" in flags
+    named = set()
+    for page in FLAG_PAGES:
+        named |= set(re.findall(r"`(--[a-z][a-z0-9-]*)", prose(ROOT / page)))
+    unknown = sorted(named - flags - NOT_OURS)
+    assert not unknown, f"flags no CLI has: {unknown}"
+
+
 def test_readme_is_short_and_points_into_docs() -> None:
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 250
