@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from lorafleet_worker.lora.backend import LoRAProjWeights
+from lorafleet_worker.lora.weights import LoRAProjWeights
 from torch import Tensor
 
 

@@ -8,7 +8,7 @@ tokens per adapter, the adapters' tokens consecutive as the scheduler orders the
 
 Per case, over every layer and projection group of one step:
 
-  cpp          `TorchLoRABackend` with the C++ grouped kernel (`lora/cpu_lora.py`, the CPU default)
+  cpp          `CpuLoRABackend`: the C++ grouped kernel (`lora/cpu_lora.py`, the CPU default)
   torch        `TorchLoRABackend` without it (`LORAFLEET_CPU_LORA=torch`): one mm + one addmm_ per
                (adapter, slice), in place, on torch's threads (the previous backend forced one thread)
   mm-only      just those 2 matmuls per (adapter, slice) on prepared views, on ONE thread (the floor of
@@ -31,7 +31,8 @@ import torch
 from lorafleet_worker.config import ModelConfig
 from lorafleet_worker.lora import cpu_lora
 from lorafleet_worker.lora.adapter import GROUPS, LoRAAdapter, LoRAModuleWeights, group_shapes
-from lorafleet_worker.lora.backend import TorchLoRABackend
+from lorafleet_worker.lora.backends import TorchLoRABackend
+from lorafleet_worker.lora.backends.cpu import CpuLoRABackend
 from lorafleet_worker.lora.pool import LoRAPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -116,7 +117,7 @@ def run_case(name: str, tokens: int, repeats: int) -> dict[str, float]:
         return run
 
     views = []
-    batch = TorchLoRABackend(grouped="torch").prepare(slots)
+    batch = TorchLoRABackend().prepare(slots)
     for layer in range(layers):
         for g in shapes:
             w = pool.weights(layer, g)
@@ -142,8 +143,8 @@ def run_case(name: str, tokens: int, repeats: int) -> dict[str, float]:
 
     runs: dict[str, Callable[[], None]] = {}
     if cpu_lora.available():
-        runs["cpp"] = backend_run(TorchLoRABackend(grouped="cpp"))
-    runs["torch"] = backend_run(TorchLoRABackend(grouped="torch"))
+        runs["cpp"] = backend_run(CpuLoRABackend())
+    runs["torch"] = backend_run(TorchLoRABackend())
     runs["mm-only"] = run_mm_only
     runs["base"] = run_base
     results = {k: round(timed(fn, repeats), 2) for k, fn in runs.items()}

@@ -7,9 +7,10 @@ import os
 import pytest
 import torch
 from lorafleet_worker.kernels.lora import Segments, lora_expand, lora_shrink
-from lorafleet_worker.lora.backend import LoRAProjWeights, TorchLoRABackend
+from lorafleet_worker.lora.backends import TorchLoRABackend
+from lorafleet_worker.lora.backends.triton import TritonLoRABackend
 from lorafleet_worker.lora.batch import build_batch_info
-from lorafleet_worker.lora.triton_backend import TritonLoRABackend
+from lorafleet_worker.lora.weights import LoRAProjWeights
 from torch import Tensor
 
 from bench.kernel_inputs import random_proj_weights

@@ -8,9 +8,10 @@ import pytest
 import torch
 from lorafleet_worker.config import ModelConfig
 from lorafleet_worker.lora.adapter import GROUPS, LoRAAdapter, LoRAModuleWeights, group_shapes
-from lorafleet_worker.lora.backend import LoRAProjWeights, TorchLoRABackend, get_backend
+from lorafleet_worker.lora.backends import TorchLoRABackend, get_backend
 from lorafleet_worker.lora.batch import build_batch_info
 from lorafleet_worker.lora.pool import LoRAPool
+from lorafleet_worker.lora.weights import LoRAProjWeights
 
 CONFIG = ModelConfig.from_dict(
     {

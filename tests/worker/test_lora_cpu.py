@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lorafleet_worker.lora import backend as backend_mod
 from lorafleet_worker.lora import cpu_lora
 from lorafleet_worker.lora.adapter import GROUPS, LoRAAdapter, group_shapes
-from lorafleet_worker.lora.backend import SMALL_SEGMENT, TorchLoRABackend, get_backend, make_plan
+from lorafleet_worker.lora.backends import TorchLoRABackend, get_backend
+from lorafleet_worker.lora.backends import cpu as backend_mod
+from lorafleet_worker.lora.backends.cpu import SMALL_SEGMENT, CpuLoRABackend, make_plan
 from lorafleet_worker.lora.pool import LoRAPool
 
 from bench.kernel_inputs import random_proj_weights
@@ -57,7 +58,7 @@ def pool_and_adapters() -> tuple[LoRAPool, dict[int, LoRAAdapter]]:
 
 
 def backend_for(path: str) -> TorchLoRABackend:
-    backend = TorchLoRABackend(grouped=path)
+    backend = CpuLoRABackend() if path == "cpp" else TorchLoRABackend()
     assert backend.grouped == path
     return backend
 
@@ -183,10 +184,8 @@ def test_cpu_pool_is_rank_major(pool_and_adapters) -> None:
 
 
 def test_plan_splits_at_small_segment() -> None:
-    backend = TorchLoRABackend(grouped="torch")
-    slots = torch.tensor(LAYOUTS["prefill+decode"], dtype=torch.int32)
-    info = backend.prepare(slots)
-    assert not info.host_plan.small and len(info.host_plan.large) == 4  # torch: every segment per adapter
+    info = TorchLoRABackend().prepare(torch.tensor(LAYOUTS["prefill+decode"], dtype=torch.int32))
+    assert not make_plan(info, 0).small and len(make_plan(info, 0).large) == 4  # 0: every segment per adapter
     plan = make_plan(info)
     assert [s[0] for s in plan.large] == [1] and [s[0] for s in plan.small] == [0, 2, 3]
     assert plan.small_rows.tolist() == [0, LARGE + 5, LARGE + 3, 2, LARGE + 6]  # rows of slots 0, 2, 3
@@ -213,7 +212,7 @@ def test_env_selects_the_torch_path(monkeypatch) -> None:
     assert not cpu_lora.available()
     assert get_backend("torch").grouped == "torch"  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="not available"):
-        TorchLoRABackend(grouped="cpp")
+        CpuLoRABackend()
     monkeypatch.delenv(cpu_lora.ENV)
     if cpu_lora.available():
         assert get_backend("torch").grouped == "cpp"  # type: ignore[attr-defined]

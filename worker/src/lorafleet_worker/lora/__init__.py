@@ -1,8 +1,9 @@
-"""LoRA layer of the worker: adapter loading, slot pool, adapter manager, batch info, backends."""
+"""LoRA layer of the worker: adapter loading, slot pool, adapter manager, batch description, backends."""
 
-from .backend import LoRABackend, LoRAProjWeights, TorchLoRABackend, get_backend
+from .backends import LoRABackend, TorchLoRABackend, get_backend
 from .batch import LoRABatchInfo, build_batch_info
 from .errors import AdapterError, AdapterNotFoundError, CapacityError, LoRAError
+from .weights import LoRAProjWeights
 
 __all__ = [
     "AdapterError",

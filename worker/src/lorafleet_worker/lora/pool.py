@@ -6,7 +6,7 @@ import torch
 
 from ..config import ModelConfig
 from .adapter import LoRAAdapter, group_shapes
-from .backend import LoRAProjWeights
+from .weights import LoRAProjWeights
 
 # what the CPU kernel reads of one (layer, group): A, B, host ranks, host scalings, slice offsets, slot flags
 KernelArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[bool]]

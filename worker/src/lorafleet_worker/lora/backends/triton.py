@@ -1,4 +1,4 @@
-"""`TritonLoRABackend`: the `LoRABackend` protocol on the Triton shrink/expand kernels (kernels/lora.py).
+"""`TritonLoRABackend`: the `LoRABackend` interface on the Triton shrink/expand kernels (kernels/lora.py).
 
 Per projection: one shrink launch (x · Aᵀ into an fp32 `[T, n_slices, max_rank]` buffer) and one expand
 launch (scaled · Bᵀ added into `out`), each covering every adapter and slice of the batch.
@@ -11,13 +11,19 @@ read each adapter's weights once per tile of up to 64 of its tokens.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from lorafleet_worker.kernels.lora import Segments, lora_expand, lora_shrink
 
-from .backend import LoRAProjWeights
-from .batch import LoRABatchInfo, build_batch_info
+from ..batch import LoRABatchInfo, build_batch_info
+from ..weights import LoRAProjWeights
+from .base import StepRunner
+
+if TYPE_CHECKING:
+    from ..pool import LoRAPool
 
 GATHERED_MAX_SEG_LEN = 4
 
@@ -31,6 +37,9 @@ class TritonLoRABackend:
 
     def prepare(self, token_slots: Tensor) -> LoRABatchInfo:
         return build_batch_info(token_slots)
+
+    def step_runner(self, pool: LoRAPool, batch: LoRABatchInfo) -> StepRunner | None:
+        return None
 
     def use_gathered(self, batch: LoRABatchInfo) -> bool:
         """The per-token gathered layout when every adapter has at most a few tokens in the step."""
