@@ -335,18 +335,21 @@ def test_container_commands_are_the_image_clis() -> None:
 
 
 def test_operator_and_router_env_are_real_settings() -> None:
-    """Every LORAFLEET_* variable the chart sets is one the operator's Settings reads."""
+    """Every LORAFLEET_* variable the chart sets for the operator is one its OperatorSettings reads, and
+    every one it sets for the router one the RouterSettings read."""
     from lorafleet_operator.bootstrap_secrets import ADMIN_TOKEN_ENV, SECRETS_ENV
-    from lorafleet_operator.settings import Settings
+    from lorafleet_operator.settings import OperatorSettings
+    from lorafleet_router.settings import RouterSettings
 
-    known = {f.metadata["env"] for f in dataclasses.fields(Settings)} | {SECRETS_ENV, ADMIN_TOKEN_ENV}
+    operator = {f.metadata["env"] for f in dataclasses.fields(OperatorSettings)} | {SECRETS_ENV, ADMIN_TOKEN_ENV}
+    router = {f.metadata["env"] for f in dataclasses.fields(RouterSettings)}
     docs = template(VALUE_SETS["external-store"] | {"workers": WORKERS})
-    for name in ("lf-lorafleet-operator", "lf-lorafleet-router"):
+    for name, known in (("lf-lorafleet-operator", operator), ("lf-lorafleet-router", router)):
         (c,) = one(docs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
         used = {k for k in env_of(c) if k.startswith("LORAFLEET_")}
         assert used and used <= known, f"{name}: unknown settings {sorted(used - known)}"
     config = one(docs, "ConfigMap", "lf-lorafleet-store")["data"]
-    assert {k for k in config if k.startswith("LORAFLEET_")} <= known
+    assert {k for k in config if k.startswith("LORAFLEET_")} <= operator
 
 
 def test_crd_is_the_one_in_crds_and_survives_packaging(tmp_path: Path) -> None:
@@ -506,7 +509,7 @@ def test_every_pod_is_restricted_with_pull_secrets_and_resources(rendered: tuple
 def test_sync_job_pods_are_restricted_with_the_charts_settings() -> None:
     """The operator's Settings, read from the env the chart renders, give restricted sync Job pods."""
     from lorafleet_operator.reconcile import Model
-    from lorafleet_operator.settings import Settings
+    from lorafleet_operator.settings import OperatorSettings
     from lorafleet_operator.syncjob import job_manifest
     from lorafleet_sync.uris import HfURI
 
@@ -516,7 +519,7 @@ def test_sync_job_pods_are_restricted_with_the_charts_settings() -> None:
     env = {k: v for k, v in env_of(op).items() if k.startswith("LORAFLEET_") and not v.startswith('{"')}
     env |= {k: v for k, v in one(docs, "ConfigMap", "lf-lorafleet-store")["data"].items() if k.startswith("LORAFLEET_")}
     env["LORAFLEET_SYNC_RESOURCES"] = env_of(op)["LORAFLEET_SYNC_RESOURCES"]
-    settings = Settings.from_sources(env=env)
+    settings = OperatorSettings.from_sources(env=env)
     model = Model.from_body(
         {
             "metadata": {"name": "m", "namespace": "lorafleet", "uid": "u1", "generation": 1},

@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -29,6 +29,9 @@ from aiohttp import web
 from lorafleet_devcluster.nodeagent import AddressBlock
 from lorafleet_operator.resources import Pod
 from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash, lora_id
+
+if TYPE_CHECKING:
+    from lorafleet_operator.controller import Runtime
 
 _hosts = itertools.count(20)
 
@@ -206,6 +209,12 @@ class RealWorker:
     def log_tail(self) -> str:
         path = self.workdir / "worker.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-40:]) if path.exists() else ""
+
+
+def requeue_every_model(runtime: Runtime) -> None:
+    """Queue every known DynamoModel, as a resync would (the tests' stand-in for the watch's relist)."""
+    for key in runtime.index:
+        runtime.queue.add(key)
 
 
 def pod_body(name: str, ip: str | None, ready: bool, base: str, namespace: str = "ns") -> dict[str, Any]:

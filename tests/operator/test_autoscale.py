@@ -25,9 +25,9 @@ from lorafleet_operator.autoscale import (
     decide,
     merge_reports,
 )
-from lorafleet_operator.demand import DemandTracker
 from lorafleet_operator.placement import rank
 from lorafleet_operator.resources import Model
+from lorafleet_router.demand import DemandTracker
 
 from .conftest import MgmtWorker
 from .test_reconcile import _close_clients, converge, lora, make, pods_for, reason  # noqa: F401 (fixture)
@@ -241,7 +241,7 @@ async def test_router_reports_in_flight_requests_per_adapter() -> None:
     import asyncio
 
     import aiohttp
-    from lorafleet_operator.router import Router, RoutingTable
+    from lorafleet_router.router import Router, RoutingTable
 
     release = asyncio.Event()
     arrived = 0

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from lorafleet_operator import api
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "dynamomodel.yaml"
 
@@ -45,11 +46,28 @@ def test_names_scope_and_version(crd: dict[str, Any]) -> None:
     assert spec["names"]["shortNames"] == ["dm"]
     alpha, beta = spec["versions"]  # both versions NVIDIA Dynamo serves
     assert alpha["name"] == "v1alpha1" and alpha["served"] and alpha["storage"]
+    assert alpha["name"] == api.VERSION, "the code reads and writes the storage version"
     assert beta["name"] == "v1beta1" and beta["served"] and not beta["storage"]
     for key in ("schema", "subresources", "additionalPrinterColumns"):
         assert alpha[key] == beta[key], f"{key} differs between the versions: a conversion webhook would be needed"
     assert alpha["subresources"] == {"status": {}}
     assert "conversion" not in spec or spec["conversion"] == {"strategy": "None"}
+
+
+def test_the_api_module_names_the_crd(crd: dict[str, Any]) -> None:
+    """``lorafleet_operator.api`` (what the operator, router, dev cluster and tests import) and the CRD agree."""
+    spec, names = crd["spec"], crd["spec"]["names"]
+    assert (
+        spec["group"],
+        names["kind"],
+        names["plural"],
+        names["singular"],
+    ) == (api.GROUP, api.KIND, api.PLURAL, api.SINGULAR)
+    assert list(api.SHORT_NAMES) == names["shortNames"] and crd["metadata"]["name"] == api.CRD_NAME
+    assert list(api.VERSIONS) == [v["name"] for v in spec["versions"] if v["served"]]
+    assert f"{spec['group']}/{api.VERSION}" == api.API_VERSION
+    assert api.model_path("ns", "m") == "/apis/nvidia.com/v1alpha1/namespaces/ns/dynamomodels/m"
+    assert api.models_path() == "/apis/nvidia.com/v1alpha1/dynamomodels"
 
 
 def test_printer_columns(crd: dict[str, Any]) -> None:

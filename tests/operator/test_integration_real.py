@@ -20,16 +20,16 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from lorafleet_operator import metrics
-from lorafleet_operator.handlers import Runtime
+from lorafleet_operator.controller import Runtime
 from lorafleet_operator.placement import place
 from lorafleet_operator.reconcile import Reconciler
 from lorafleet_operator.resources import Model
-from lorafleet_operator.router import Router, RoutingTable
-from lorafleet_operator.settings import Settings
+from lorafleet_operator.settings import OperatorSettings
 from lorafleet_operator.workers import WorkerClient
+from lorafleet_router import metrics
+from lorafleet_router.router import Router, RoutingTable
 
-from .conftest import INFER_PORT, MGMT_PORT, REAL_BASE, RealFleet, pod_body
+from .conftest import INFER_PORT, MGMT_PORT, REAL_BASE, RealFleet, pod_body, requeue_every_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PROMPT = [1, 5, 9, 13, 17, 21]
@@ -125,7 +125,9 @@ async def env(real_fleet: RealFleet) -> AsyncIterator[Env]:
         table.on_model("MODIFIED", body)
         return body
 
-    settings = Settings(default_replicas=2, reconcile_workers=3, drift_interval=3600, retry_base=0.2, retry_max=2)
+    settings = OperatorSettings(
+        default_replicas=2, reconcile_workers=3, drift_interval=3600, retry_base=0.2, retry_max=2
+    )
     client = WorkerClient(load_timeout=60, call_timeout=10)
     reconciler = Reconciler(client, default_replicas=2, management_port=MGMT_PORT, listing_ttl=3600)
     runtime = Runtime(settings, reconciler, write_status)
@@ -218,7 +220,7 @@ async def test_drift_lost_adapter_is_repaired(env: Env) -> None:
         assert resp.status == 200
     assert "org/adapter-a" not in victim.loras()
     env.runtime.inventory.invalidate_listings()  # the drift timer's job
-    env.runtime.requeue_all()
+    requeue_every_model(env.runtime)
     await eventually(lambda: "org/adapter-a" in victim.loras(), what="drift repaired")
 
 

@@ -22,8 +22,8 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 from lorafleet_devcluster.nodeagent import AddressBlock
-from lorafleet_operator import metrics
-from lorafleet_operator.router import Router, RoutingTable
+from lorafleet_router import metrics
+from lorafleet_router.router import Router, RoutingTable
 
 from .conftest import INFER_PORT, MGMT_PORT, REAL_BASE, RealWorker
 

@@ -20,7 +20,7 @@ import aiohttp
 import pytest_asyncio
 from aiohttp import web
 from lorafleet_devcluster.nodeagent import AddressBlock
-from lorafleet_operator.router import Router, RoutingTable, serve
+from lorafleet_router.router import Router, RoutingTable, serve
 
 from .conftest import INFER_PORT, MGMT_PORT, REAL_BASE, pod_body
 

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import unused_port
-from lorafleet_operator.router import Router, RoutingTable
-from lorafleet_operator.routing_policy import CacheAware, FewestInFlight, Route, make_policy, route_of
+from lorafleet_router.policy import CacheAware, FewestInFlight, Route, make_policy, route_of
+from lorafleet_router.router import Router, RoutingTable
 
 SYSTEM = "You are a helpful assistant for tenant A. " * 10  # ~430 characters
 PODS = ["http://a", "http://b", "http://c"]

@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from lorafleet_operator.handlers import Runtime
+from lorafleet_operator.controller import Runtime
 from lorafleet_operator.ledger import MemoryLedger
 from lorafleet_operator.placement import place
 from lorafleet_operator.reconcile import Reconciler
 from lorafleet_operator.resources import Model
-from lorafleet_operator.settings import Settings
+from lorafleet_operator.settings import OperatorSettings
 from lorafleet_operator.workers import WorkerClient
 
-from .conftest import MgmtWorker, pod_body
+from .conftest import MgmtWorker, pod_body, requeue_every_model
 
 BASE = "tiny/base"
 
@@ -90,7 +90,9 @@ async def cluster(mgmt_workers: list[MgmtWorker]) -> AsyncIterator[Cluster]:
         runtime.on_model("MODIFIED", body)
         return body
 
-    settings = Settings(default_replicas=2, reconcile_workers=3, drift_interval=3600, retry_base=0.2, retry_max=1)
+    settings = OperatorSettings(
+        default_replicas=2, reconcile_workers=3, drift_interval=3600, retry_base=0.2, retry_max=1
+    )
     client = WorkerClient(call_timeout=2, load_timeout=5, backoff=0.01)
     reconciler = Reconciler(
         client, management_port=mgmt_workers[0].port, ledger=MemoryLedger(), listing_ttl=3600, unload_grace=0
@@ -123,7 +125,7 @@ async def test_oldest_owns_a_name_the_other_conflicts_and_nothing_flaps(cluster:
     for _ in range(4):  # several drift intervals: no load, no status change
         cluster.runtime.inventory.invalidate_listings()
         await cluster.runtime.drift()
-        cluster.runtime.requeue_all()
+        requeue_every_model(cluster.runtime)
         await cluster.settle()
     assert cluster.posts() == posts
     # deleting the owner hands the name over, without unloading it in between
@@ -251,7 +253,7 @@ async def test_a_new_model_costs_one_pass_and_new_names_are_claimed_in_bulk(
 
 
 def test_router_keeps_a_handed_over_name_routable_through_the_deleted_owner() -> None:
-    from lorafleet_operator.router import RoutingTable
+    from lorafleet_router.router import RoutingTable
 
     table = RoutingTable(inference_port=8000)
     owner = {
@@ -281,7 +283,8 @@ async def test_own_watch_puts_one_finalizer_and_releases_it_after_unloading(
     deletion unloads the adapter before it removes the finalizer (issue 13, outcome 6)."""
     from lorafleet_devcluster.rawstack import install_crd
     from lorafleet_devcluster.session import shared_cluster
-    from lorafleet_operator.handlers import FINALIZER, kube_status_writer
+    from lorafleet_operator.api import FINALIZER
+    from lorafleet_operator.controller import kube_status_writer
     from lorafleet_operator.kube import KubeClient
 
     with shared_cluster() as kcluster:
@@ -289,7 +292,7 @@ async def test_own_watch_puts_one_finalizer_and_releases_it_after_unloading(
         ns = kcluster.new_namespace("own-watch")
         monkeypatch.setenv("KUBECONFIG", str(kcluster.kubeconfig))
         kube = KubeClient.from_environment()
-        settings = Settings(namespaces=(ns,), default_replicas=2, reconcile_workers=2, drift_interval=3600)
+        settings = OperatorSettings(namespaces=(ns,), default_replicas=2, reconcile_workers=2, drift_interval=3600)
         client = WorkerClient(call_timeout=2, load_timeout=5, backoff=0.01)
         reconciler = Reconciler(client, management_port=mgmt_workers[0].port, ledger=MemoryLedger(), unload_grace=0)
         runtime = Runtime(settings, reconciler, kube_status_writer(kube), kube)

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from lorafleet_operator.handlers import Runtime
+from lorafleet_operator.controller import Runtime
 from lorafleet_operator.index import ModelIndex
 from lorafleet_operator.ledger import MemoryLedger
 from lorafleet_operator.reconcile import Reconciler
 from lorafleet_operator.resources import Model, Pod
-from lorafleet_operator.settings import Settings
+from lorafleet_operator.settings import OperatorSettings
 from lorafleet_operator.workers import WorkerClient
 from lorafleet_operator.workqueue import WorkQueue
 
@@ -101,7 +101,9 @@ async def env(mgmt_workers: list[MgmtWorker]) -> AsyncIterator[Env]:
         body = objects[model.key] = {**body, "status": json.loads(json.dumps(status))}
         return body  # no watch event: the runtime must keep the answer itself
 
-    settings = Settings(default_replicas=2, reconcile_workers=2, drift_interval=3600, retry_base=0.05, retry_max=0.2)
+    settings = OperatorSettings(
+        default_replicas=2, reconcile_workers=2, drift_interval=3600, retry_base=0.05, retry_max=0.2
+    )
     client = WorkerClient(call_timeout=2, load_timeout=5, backoff=0.01)
     reconciler = Reconciler(client, management_port=mgmt_workers[0].port, ledger=MemoryLedger(), unload_grace=0)
     rt = Runtime(settings, reconciler, write_status)

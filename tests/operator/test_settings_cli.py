@@ -1,23 +1,33 @@
-"""Settings from env and flags, the CLIs' --help, status rendering and the work queue."""
+"""Operator and router settings from env and flags, the CLIs' --help, status rendering and the work queue."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from lorafleet_operator import cli as operator_cli
 from lorafleet_operator import status as st
-from lorafleet_operator.settings import Settings, add_arguments
+from lorafleet_operator.settings import OperatorSettings
 from lorafleet_operator.workqueue import WorkQueue
+from lorafleet_router import cli as router_cli
+from lorafleet_router.settings import RouterSettings
 
 
-def parse(argv: list[str], env: dict[str, str]) -> Settings:
+def parse(argv: list[str], env: dict[str, str]) -> OperatorSettings:
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return Settings.from_sources(env, parser.parse_args(argv))
+    OperatorSettings.add_arguments(parser)
+    return OperatorSettings.from_sources(env, parser.parse_args(argv))
+
+
+def parse_router(argv: list[str], env: dict[str, str]) -> RouterSettings:
+    parser = argparse.ArgumentParser()
+    RouterSettings.add_arguments(parser)
+    return RouterSettings.from_sources(env, parser.parse_args(argv))
 
 
 def test_defaults_env_then_flags(tmp_path: Path) -> None:
@@ -44,6 +54,36 @@ def test_bad_values_are_clear_errors() -> None:
         parse(["--balance", "sometimes"], {})
     with pytest.raises(ValueError, match="--balance-epsilon"):
         parse([], {"LORAFLEET_BALANCE_EPSILON": "-0.5"})
+
+
+def test_router_settings_from_env_then_flags() -> None:
+    s = parse_router([], {})
+    assert (s.router_port, s.inference_port, s.router_policy, s.demand_window) == (8000, 8000, "cache-aware", 30.0)
+    s = parse_router(
+        ["--router-port", "9000", "-n", "a"], {"LORAFLEET_ROUTER_PORT": "7000", "LORAFLEET_DEMAND_WINDOW": "5"}
+    )
+    assert (s.router_port, s.namespaces, s.demand_window) == (9000, ("a",), 5.0)
+    assert parse_router([], {"LORAFLEET_ALL_NAMESPACES": "1"}).all_namespaces
+    with pytest.raises(ValueError, match="demand window"):
+        parse_router(["--demand-window", "0"], {})
+    with pytest.raises(ValueError, match="LORAFLEET_ROUTER_TIMEOUT"):
+        parse_router([], {"LORAFLEET_ROUTER_TIMEOUT": "soon"})
+
+
+def test_each_process_has_its_own_flags_and_env() -> None:
+    """The operator and the router share only the watched namespaces (and the listen address's name);
+    every other flag belongs to one of them, under the name and variable it always had."""
+
+    def flags(parser: argparse.ArgumentParser) -> set[str]:
+        return {o for a in parser._actions for o in a.option_strings if o.startswith("--")} - {"--help", "--verbose"}
+
+    operator, router = flags(operator_cli.build_parser()), flags(router_cli.build_parser())
+    assert operator & router == {"--namespace", "--all-namespaces", "--bind-host"}
+    assert {"--router-port", "--router-policy", "--demand-window", "--inference-port"} <= router - operator
+    assert {"--default-replicas", "--store-bucket", "--demand-urls", "--leader-elect"} <= operator - router
+    env = {f.metadata["env"] for cls in (OperatorSettings, RouterSettings) for f in dataclasses.fields(cls)}
+    assert {"LORAFLEET_ROUTER_PORT", "LORAFLEET_DEMAND_WINDOW", "LORAFLEET_DEFAULT_REPLICAS"} <= env
+    assert all(e.startswith("LORAFLEET_") for e in env)
 
 
 def test_balance_defaults_to_autoscaled_adapters_with_epsilon_a_quarter() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lorafleet_devcluster.hfhub import LocalHub
 from lorafleet_operator.resources import Model
-from lorafleet_operator.settings import Settings
+from lorafleet_operator.settings import OperatorSettings
 from lorafleet_operator.syncjob import REVISION_ANNOTATION, SyncJobs, job_manifest, job_name, job_state
 from lorafleet_sync.hf import HfSettings
 from lorafleet_sync.uris import HfURI
@@ -22,8 +22,8 @@ def model(uri: str = "hf://org/repo@main") -> Model:
     return Model("ns", "dm-a", "uid-1", 1, "org/adapter", "base", "lora", uri)
 
 
-def settings() -> Settings:
-    return Settings(store_endpoint="http://minio:9000", store_bucket="loras", store_prefix="synced/",
+def settings() -> OperatorSettings:
+    return OperatorSettings(store_endpoint="http://minio:9000", store_bucket="loras", store_prefix="synced/",
                     store_secret="store-creds", hf_endpoint="http://hub:8080", hf_token_secret="hf")  # fmt: skip
 
 
@@ -107,7 +107,7 @@ def fail(job: dict, seconds_ago: float) -> None:
 
 async def test_failed_job_is_recreated_with_backoff_and_ttl_never_resyncs() -> None:
     kube = Kube()
-    jobs = SyncJobs(kube, Settings(store_bucket="loras", retry_base=1.0), HfSettings("http://hub", None))  # type: ignore[arg-type]
+    jobs = SyncJobs(kube, OperatorSettings(store_bucket="loras", retry_base=1.0), HfSettings("http://hub", None))  # type: ignore[arg-type]
     pinned = model(f"hf://org/repo@{SHA}")
     source = HfURI("org", "repo", SHA)
     first = await jobs.ensure(pinned, source)
@@ -149,7 +149,7 @@ async def test_private_repo_resolves_with_the_token_secret_and_a_moved_branch_sy
     try:
         first = hub.commit("org/private", FILES)
         kube = Kube()
-        cfg = Settings(store_bucket="loras", hf_token_secret="hf-token", revision_interval=0)
+        cfg = OperatorSettings(store_bucket="loras", hf_token_secret="hf-token", revision_interval=0)
         jobs = SyncJobs(kube, cfg, HfSettings(hub.url, None), secret_namespace="lorafleet")  # type: ignore[arg-type]
         source = HfURI("org", "private", "main")
         m = model("hf://org/private@main")

@@ -1,4 +1,4 @@
-"""``lorafleet-operator`` (kopf operator) and ``lorafleet-router`` (OpenAI router) entry points."""
+"""``lorafleet-operator``: the DynamoModel operator's entry point (``build_parser`` lists its flags)."""
 
 from __future__ import annotations
 
@@ -10,65 +10,46 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from lorafleet_operator.settings import Settings, add_arguments
+from lorafleet_operator.api import API_VERSION
+from lorafleet_operator.settings import OperatorSettings
 
-OPERATOR_FLAGS = None  # every settings field except the router's
-ROUTER_FLAGS = (
-    "namespaces",
-    "all_namespaces",
-    "inference_port",
-    "router_port",
-    "router_timeout",
-    "bind_host",
-    "router_unavailable_wait",
-    "router_policy",
-    "router_balance",
-    "router_min_match",
-    "router_drain_delay",
-    "router_drain_timeout",
-    "demand_window",
+DESCRIPTION = (
+    f"Reconciles {API_VERSION} DynamoModels: places LoRA adapters on worker pods by HRW, "
+    "syncs hf:// sources into the object store, loads/unloads them through the workers' "
+    "management API. Every flag can also be set by the environment variable shown."
 )
 
 
-def _namespaces(settings: Settings) -> Settings:
-    """Default to the pod's own namespace (POD_NAMESPACE), else "default", unless cluster-wide."""
-    if settings.all_namespaces or settings.namespaces:
-        return settings
-    from dataclasses import replace
-
-    return replace(settings, namespaces=(os.environ.get("POD_NAMESPACE") or "default",))
-
-
-def _parse(prog: str, description: str, names: tuple[str, ...] | None, argv: Sequence[str] | None) -> Settings:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    add_arguments(parser, names)
+def build_parser() -> argparse.ArgumentParser:
+    """``lorafleet-operator``'s flags: one per ``OperatorSettings`` field, and ``--verbose``."""
+    parser = argparse.ArgumentParser(prog="lorafleet-operator", description=DESCRIPTION)
+    OperatorSettings.add_arguments(parser)
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> OperatorSettings:
+    """Settings from the flags in ``argv`` and the environment; sets up logging (``--verbose``)."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return _namespaces(Settings.from_sources(args=args))
+        return OperatorSettings.from_sources(args=args).in_own_namespace()
     except (ValueError, OSError) as e:
         parser.error(str(e))
         raise  # unreachable
 
 
-def operator_main(argv: Sequence[str] | None = None) -> None:
-    """Run the DynamoModel operator (kopf) until SIGTERM/SIGINT."""
-    settings = _parse(
-        "lorafleet-operator",
-        "Reconciles nvidia.com/v1alpha1 DynamoModels: places LoRA adapters on worker pods by HRW, "
-        "syncs hf:// sources into the object store, loads/unloads them through the workers' "
-        "management API. Every flag can also be set by the environment variable shown.",
-        OPERATOR_FLAGS,
-        argv,
-    )
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the DynamoModel operator until SIGTERM/SIGINT."""
+    settings = parse_settings(argv)
     import kopf
     from lorafleet_sync.hf import HfSettings
 
-    from lorafleet_operator import bootstrap_secrets, handlers, metrics
+    from lorafleet_operator import bootstrap_secrets, controller, metrics
     from lorafleet_operator.autoscale import Autoscaler
     from lorafleet_operator.kube import EventPoster, KubeClient
     from lorafleet_operator.leader import LEASE_NAME, LeaderElector, run_as_leader, standby_liveness
@@ -100,7 +81,7 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
             default_replicas=settings.default_replicas,
             management_port=settings.management_port,
             sync=SyncJobs(kube, settings, hf, home) if settings.store_configured else None,
-            emit=handlers.event_sink(events),
+            emit=controller.event_sink(events),
             ledger=ConfigMapLedger(kube),
             listing_ttl=2 * settings.drift_interval,  # the drift pass refreshes every listing
             retry_max=settings.retry_max,
@@ -109,7 +90,7 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
             balance=settings.balance,
             balance_epsilon=settings.balance_epsilon,
         )
-        runtime = handlers.Runtime(settings, reconciler, handlers.kube_status_writer(kube), kube)
+        runtime = controller.Runtime(settings, reconciler, controller.kube_status_writer(kube), kube)
         liveness = f"http://{settings.bind_host}:{settings.liveness_port}/healthz" if settings.liveness_port else None
 
         async def operate() -> None:
@@ -142,22 +123,5 @@ def operator_main(argv: Sequence[str] | None = None) -> None:
         sys.exit(status)
 
 
-def router_main(argv: Sequence[str] | None = None) -> None:
-    """Run the OpenAI-compatible router in front of the workers."""
-    settings = _parse(
-        "lorafleet-router",
-        "OpenAI-compatible router: sends each request to a worker pod that holds its adapter "
-        "(fewest in-flight requests) or serves its base model; watches DynamoModels and worker pods.",
-        ROUTER_FLAGS,
-        argv,
-    )
-    from lorafleet_operator.router import run_router
-
-    try:
-        asyncio.run(run_router(settings))
-    except KeyboardInterrupt:
-        sys.exit(0)
-
-
 if __name__ == "__main__":  # pragma: no cover
-    operator_main()
+    main()

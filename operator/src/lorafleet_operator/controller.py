@@ -1,9 +1,10 @@
-"""kopf wiring: watches feed an in-memory index, a work queue drives ``Reconciler`` passes.
+"""The runtime controller: watches feed an in-memory index, a work queue drives ``Reconciler`` passes.
 
-- ``@kopf.on.event`` for DynamoModels, worker pods (label ``nvidia.com/dynamo-base-model-hash``)
-  and our sync Jobs only update caches and queue model keys; they never block on workers.
-  A pod leaving (unready, gone, new IP or uid) re-queues only the models placed on it; a pod
-  joining re-queues only the models whose top-``replicas`` set it enters (``placement.takes``).
+- The DynamoModel, worker pod (label ``nvidia.com/dynamo-base-model-hash``) and sync Job watches
+  only update caches and queue model keys; they never block on workers. A pod leaving (unready,
+  gone, new IP or uid) re-queues only the models placed on it; a pod joining re-queues only the
+  models whose top-``replicas`` set it enters (``placement.takes``, with the replicas each model's
+  last pass returned in its ``Result``).
 - Each piece of state has one owner: ``index.ModelIndex`` (every DynamoModel once, refreshed by
   the answers of our own status and finalizer writes, and name ownership), ``inventory.WorkerInventory``
   (pods and what they hold; the reconciler and the drift pass share it), ``finalizers.Finalizers``
@@ -14,17 +15,19 @@
   get ``ModelNameConflict`` and are never loaded. A change of claimants re-queues them all, so
   deleting the owner hands the name over (the adapter stays loaded: no gap).
 - ``Runtime`` runs ``reconcile_workers`` tasks over the queue, so one model is never reconciled
-  twice at once, and patches ``status`` only when it changed (merge patch); a failed pass is
-  retried with ``add_rate_limited``, a successful one ``forget``s its failures.
+  twice at once, and patches ``status`` only when it changed (merge patch). The pass returns a
+  ``reconcile.Result`` and the runtime alone decides what to queue from it: a failed pass again
+  with ``add_rate_limited`` (a successful one ``forget``s its failures), ``requeue_after`` with
+  ``add_after``, a ``followup`` once its status is published.
 - A drift timer runs ``drift.drift_pass`` every ``drift_interval`` seconds: one listing per pod,
   re-queueing only models whose pods differ, unloading orphans the ledger says we placed.
 - DynamoModels are watched by the runtime's own ``Informer`` (``watch_models``), not by kopf:
   kopf's per-object machinery (a task per object, a deep copy and a cause detection per event,
-  its own finalizer, diff-base and progress annotations: several PATCHes per object) was most
-  of the operator's CPU at 10,000 models. The runtime adds the finalizer ``nvidia.com/finalizer``
-  itself, in the reconcile worker's first pass over an object (one PATCH), and on deletion
-  unloads with a bounded wait, then removes it (``finalize_and_release``, retried with
-  backoff). kopf still runs the pod and Job watches, liveness and signal handling.
+  its own finalizer, diff-base and progress annotations: several PATCHes per object) costs CPU
+  in proportion to the objects. The runtime adds the finalizer ``nvidia.com/finalizer`` itself,
+  in the reconcile worker's first pass over an object (one PATCH), and on deletion unloads with a
+  bounded wait, then removes it (``finalizers.Finalizers``, retried with backoff). kopf runs the
+  pod and Job watches, liveness and signal handling (the handlers at the end of this module).
 """
 
 from __future__ import annotations
@@ -42,21 +45,22 @@ from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL
 
 from lorafleet_operator import metrics
 from lorafleet_operator import status as st
+from lorafleet_operator.api import KIND, model_path, models_path, object_reference
 from lorafleet_operator.autoscale import RouterDemand
-from lorafleet_operator.finalizers import FINALIZER, GROUP, PLURAL, VERSION, Finalizers
+from lorafleet_operator.finalizers import Finalizers
 from lorafleet_operator.index import Key, ModelIndex, key_of
 from lorafleet_operator.inventory import WorkerInventory
 from lorafleet_operator.kube import EventPoster, Informer, KubeClient, collection_path
 from lorafleet_operator.placement import takes
 from lorafleet_operator.reconcile import Reconciler
 from lorafleet_operator.resources import Model, Pod
-from lorafleet_operator.settings import Settings
+from lorafleet_operator.settings import OperatorSettings
 from lorafleet_operator.syncjob import MANAGED_BY
 from lorafleet_operator.workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FINALIZER", "Runtime", "event_sink", "kube_status_writer", "prime_pods"]
+__all__ = ["Runtime", "event_sink", "kube_status_writer", "prime_pods"]
 ANNOTATION_PREFIX = "lorafleet.nvidia.com"
 
 StatusWriter = Callable[[Model, Mapping[str, Any]], Awaitable[dict[str, Any] | None]]
@@ -69,7 +73,11 @@ class Runtime:
     queue (per-key backoff); runs the reconcile workers and the background loops over them."""
 
     def __init__(
-        self, settings: Settings, reconciler: Reconciler, write_status: StatusWriter, kube: KubeClient | None = None
+        self,
+        settings: OperatorSettings,
+        reconciler: Reconciler,
+        write_status: StatusWriter,
+        kube: KubeClient | None = None,
     ) -> None:
         self.settings = settings
         self.reconciler = reconciler
@@ -80,6 +88,7 @@ class Runtime:
         self.inventory: WorkerInventory = reconciler.inventory  # one inventory: the reconciler reads what we feed
         self.finalizers = Finalizers(kube, self.finalize, settings.retry_base, settings.retry_max)
         self.phases: dict[Key, str] = {}
+        self.replicas: dict[Key, int] = {}  # LoRA models: the pods each one's last pass wants (Result.replicas)
         self._locks: dict[Key, asyncio.Lock] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._claims: defaultdict[tuple[str, str], set[str]] = defaultdict(set)  # names to write down in bulk
@@ -91,6 +100,7 @@ class Runtime:
         if kind == "DELETED":
             self.index.remove(key)
             self.phases.pop(key, None)
+            self.replicas.pop(key, None)
             self.queue.discard(key)
             return
         old, model = self.index.apply(body)
@@ -112,9 +122,8 @@ class Runtime:
     def watch_models(self) -> None:
         """Start the DynamoModel informers (one per watched namespace, or one cluster-wide)."""
         assert self.kube is not None
-        namespaces: list[str | None] = [None] if self.settings.all_namespaces else list(self.settings.namespaces)
-        for ns in namespaces:
-            self.spawn(Informer(self.kube, collection_path(GROUP, VERSION, PLURAL, ns), self.on_model_event).run())
+        for ns in self.settings.watched():
+            self.spawn(Informer(self.kube, models_path(ns), self.on_model_event).run())
 
     def owner(self, model: Model) -> Model | None:
         """The oldest live DynamoModel claiming ``model``'s served name (see ``ModelIndex.owner``)."""
@@ -143,10 +152,11 @@ class Runtime:
                 self.queue.add(key)
 
     def _requeue_taken_by(self, pod: Pod) -> None:
-        """A pod joined: only the models whose top-``replicas`` set it enters move."""
+        """A pod joined: only the models whose top-``replicas`` set it enters move (a model with no
+        pass yet is queued anyway)."""
         for key, model in self.index.loras_of(pod.namespace, pod.base_hash):
-            replicas, _ = self.reconciler.replicas_for(model)
-            if takes(model.model_name, model.status.get("placement") or [], replicas, pod.name):
+            replicas = self.replicas.get(key)
+            if replicas is None or takes(model.model_name, model.status.get("placement") or [], replicas, pod.name):
                 self.queue.add(key)
         for key in self.index.bases_of(pod.namespace, pod.base_hash):
             self.queue.add(key)  # base models list every pod
@@ -155,14 +165,10 @@ class Runtime:
         meta = body.get("metadata") or {}
         self.reconciler.observe_job(body, deleted=kind == "DELETED")
         for owner in meta.get("ownerReferences") or []:
-            if owner.get("kind") == "DynamoModel":
+            if owner.get("kind") == KIND:
                 key = (meta.get("namespace", ""), owner.get("name", ""))
                 if key in self.index:
                     self.queue.add(key)
-
-    def requeue_all(self) -> None:
-        for key in self.index:
-            self.queue.add(key)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -270,6 +276,8 @@ class Runtime:
             outcome = "error" if result.failed else "requeue" if result.requeue_after else "ok"
             metrics.RECONCILES.labels(outcome).inc()
             self._set_phase(key, result.status.get("phase"))
+            if result.replicas is not None:
+                self.replicas[key] = result.replicas
             if result.failed:
                 self.queue.add_rate_limited(key)
             else:
@@ -321,6 +329,7 @@ class Runtime:
         self.queue.discard(model.key)
         self._set_phase(model.key, None)
         self.phases.pop(model.key, None)
+        self.replicas.pop(model.key, None)
         self._locks.pop(model.key, None)
         return unloaded
 
@@ -338,7 +347,7 @@ class Runtime:
         return self.queue.idle()
 
 
-# ---- kopf handlers -------------------------------------------------------------------------
+# ---- kopf handlers (pods, Jobs, start-up and clean-up) --------------------------------------------
 def _runtime(memo: Any) -> Runtime:
     runtime: Runtime = memo["runtime"]
     return runtime
@@ -377,8 +386,7 @@ async def _configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any)
 
 async def prime_pods(kube: KubeClient, runtime: Runtime) -> None:
     """List worker pods once before reconciling, so a restarted operator never places on half a list."""
-    namespaces: list[str | None] = [None] if runtime.settings.all_namespaces else list(runtime.settings.namespaces)
-    for ns in namespaces:
+    for ns in runtime.settings.watched():
         listing = await kube.request(
             "GET", collection_path("", "v1", "pods", ns), params={"labelSelector": BASE_MODEL_HASH_LABEL}
         )
@@ -405,9 +413,7 @@ def event_sink(poster: EventPoster) -> Callable[[Model, str, str, str], None]:
     """Post Kubernetes Events on the DynamoModel (and log them)."""
 
     def emit(model: Model, kind: str, reason: str, message: str) -> None:
-        ref = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "DynamoModel", "name": model.name,
-               "namespace": model.namespace, "uid": model.uid}  # fmt: skip
-        poster.post(ref, kind, reason, message)
+        poster.post(object_reference(model.namespace, model.name, model.uid), kind, reason, message)
         log.info("%s/%s %s: %s", model.namespace, model.name, reason, message)
 
     return emit
@@ -415,7 +421,7 @@ def event_sink(poster: EventPoster) -> Callable[[Model, str, str, str], None]:
 
 def kube_status_writer(kube: KubeClient) -> StatusWriter:
     async def write(model: Model, patch: Mapping[str, Any]) -> dict[str, Any] | None:
-        path = collection_path(GROUP, VERSION, PLURAL, model.namespace) + f"/{model.name}/status"
+        path = model_path(model.namespace, model.name) + "/status"
         try:
             return await kube.merge_patch(path, {"status": dict(patch)})
         except Exception as e:

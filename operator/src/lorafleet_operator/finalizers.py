@@ -3,7 +3,7 @@
 (retried with backoff; one finalization at a time per object).
 
 kopf's own finalizer machinery is not used: the DynamoModel watch is the runtime's informer
-(see handlers.py), so this module owns the finalizer's whole life.
+(see controller.py), so this module owns the finalizer's whole life.
 """
 
 from __future__ import annotations
@@ -14,19 +14,13 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from lorafleet_operator.api import FINALIZER, model_path
 from lorafleet_operator.index import Key, key_of
-from lorafleet_operator.kube import KubeClient, KubeError, collection_path
+from lorafleet_operator.kube import KubeClient, KubeError
 
 log = logging.getLogger(__name__)
 
-GROUP, VERSION, PLURAL = "nvidia.com", "v1alpha1", "dynamomodels"
-FINALIZER = "nvidia.com/finalizer"
-
 Finalize = Callable[[Mapping[str, Any]], Awaitable[list[str]]]
-
-
-def object_path(namespace: str, name: str) -> str:
-    return collection_path(GROUP, VERSION, PLURAL, namespace) + f"/{name}"
 
 
 class Finalizers:
@@ -100,7 +94,7 @@ class Finalizers:
         if self.kube is None:
             return dict(body)
         meta = body.get("metadata") or {}
-        path = object_path(meta.get("namespace", ""), meta.get("name", ""))
+        path = model_path(meta.get("namespace", ""), meta.get("name", ""))
         current: Mapping[str, Any] | None = body
         for _ in range(5):
             if current is None:

@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from lorafleet_operator.kube import KubeClient, KubeError, collection_path
-from lorafleet_operator.settings import Settings
+from lorafleet_operator.settings import OperatorSettings
 
 log = logging.getLogger(__name__)
 LEASE_NAME = "lorafleet-operator"
@@ -133,7 +133,7 @@ class LeaderElector:
 
 
 @contextlib.asynccontextmanager
-async def standby_liveness(settings: Settings) -> AsyncIterator[None]:
+async def standby_liveness(settings: OperatorSettings) -> AsyncIterator[None]:
     """Answer the liveness probe (``/healthz``) while waiting: kopf serves it only once leading."""
     if not settings.liveness_port:
         yield

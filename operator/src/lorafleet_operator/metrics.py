@@ -1,4 +1,4 @@
-"""Prometheus metrics of the operator and the router, defined once."""
+"""Prometheus metrics of the operator, defined once (the router's are ``lorafleet_router.metrics``)."""
 
 from __future__ import annotations
 
@@ -19,23 +19,8 @@ PLACEMENT_CHURN = Counter(
 )
 MODELS = Gauge("lorafleet_operator_models", "DynamoModels known to the operator, by phase", ["phase"])
 
-ROUTER_REQUESTS = Counter("lorafleet_router_requests_total", "Requests through the router", ["kind", "code"])
-ROUTER_RETRIES = Counter("lorafleet_router_retries_total", "Requests retried on another endpoint")
-ROUTER_INFLIGHT = Gauge("lorafleet_router_inflight", "Requests in flight through the router")
-
 
 def serve(port: int, host: str = "0.0.0.0") -> None:
     """Expose /metrics on ``port`` (0 = don't)."""
     if port:
         start_http_server(port, addr=host)
-
-
-ROUTER_ADAPTER_INFLIGHT = Gauge(
-    "lorafleet_router_adapter_inflight", "Requests in flight to workers through this router, per adapter", ["adapter"]
-)
-ROUTER_ADAPTER_QUEUED = Gauge(
-    "lorafleet_router_adapter_queued", "Requests waiting in this router for a ready endpoint, per adapter", ["adapter"]
-)
-ROUTER_ADAPTER_REQUESTS = Counter(
-    "lorafleet_router_adapter_requests_total", "Requests for each adapter through this router", ["adapter"]
-)

@@ -86,12 +86,18 @@ ProgressSink = Callable[[dict[str, Any]], Awaitable[None]]
 
 @dataclass
 class Result:
+    """What one pass found and what it asks for next (as controller-runtime's ``Result``): the runtime
+    alone decides from it what to queue when."""
+
     status: dict[str, Any]
     requeue_after: float | None = None
     # one more pass once this status is published (leavers are unloaded only after routers saw it);
     # False when the pass left nothing that waits for its own status (a cold start's loads)
     followup: bool = True
     failed: bool = False  # retry with backoff (the work queue owns the failure count: add_rate_limited)
+    # LoRA models: the pods it wants; a pod joining its base model calls for another pass only when it
+    # enters the model's top-``replicas`` HRW set (``placement.takes``)
+    replicas: int | None = None
 
 
 @dataclass(frozen=True)
@@ -208,8 +214,18 @@ class Reconciler:
         ``owner``: another DynamoModel that owns this ``modelName`` (this one is then never loaded)."""
         if not model.is_lora:
             return self._track_base(model, pods)
+        replicas, scaling = self.replicas_for(model)
         if owner is not None:
-            return self._conflict(model, owner)
+            result = self._conflict(model, owner)
+        else:
+            result = await self._reconcile_lora(model, pods, replicas, scaling, progress)
+        result.replicas = replicas
+        return result
+
+    async def _reconcile_lora(
+        self, model: Model, pods: Sequence[Pod], replicas: int, scaling: Decision | None, progress: ProgressSink | None
+    ) -> Result:
+        """The pass of a LoRA model that owns its name (see the module docstring)."""
         source = await self._source(model)
         served = _served_uri(model.status)
         failure = source.failure
@@ -218,16 +234,15 @@ class Reconciler:
             failure = st.Condition("EndpointsReady", False, reason, message)
         target = source.uri if failure is None and not source.pending else served
         resolved = source.uri or (model.status.get("resolvedUri") if source.pending else None)
-        obs = _Observed(model, source.synced, resolved, source.revision, source.job, served)
-        replicas, scaling = self.replicas_for(model)
-        obs.scale(replicas, scaling)
+        obs = _facts(model, source.synced, resolved, source.revision, source.job, served)
+        _scale(obs, replicas, scaling)
         if target is None:
             if failure is not None:
-                result = self._done(model, obs.observe(st.FAILED, failure), ok=True)
+                result = self._done(model, obs.outcome(st.FAILED, failure), ok=True)
                 result.requeue_after = source.requeue  # e.g. when a failed sync Job is tried again
                 return result
             cond = st.Condition("EndpointsReady", False, st.WAITING_FOR_SYNC, f"waiting for sync Job {source.job}")
-            return Result(st.render(obs.observe(st.SYNCING, cond), model.status), source.requeue)
+            return Result(st.render(obs.outcome(st.SYNCING, cond), model.status), source.requeue)
 
         ready_pods = sorted(p for p in pods if p.ready and p.ip)
         if not ready_pods:
@@ -235,7 +250,7 @@ class Reconciler:
             cond = st.Condition(
                 "EndpointsReady", False, st.NO_WORKERS, f"no Ready worker pod serves {model.base_model_name}"
             )
-            return self._done(model, obs.observe(st.PENDING, cond), ok=True)
+            return self._done(model, obs.outcome(st.PENDING, cond), ok=True)
 
         live = sorted(p for p in pods if (p.ready or p.serving) and p.ip)  # terminating pods still serve
         listings = await self.inventory.listings_of(live)
@@ -244,13 +259,15 @@ class Reconciler:
         short = min(replicas, len(ready_pods)) - len(placement)  # replicas no pod has room for
         limited = scaling is not None and short > 0
         if limited and scaling is not None:  # autoscaled: only short of minReplicas is Degraded
-            obs.scale(replicas, Decision(replicas, LIMITED_BY_CAPACITY, f"{scaling.message}; the other pods are full"))
+            _scale(
+                obs, replicas, Decision(replicas, LIMITED_BY_CAPACITY, f"{scaling.message}; the other pods are full")
+            )
             short = max(0, min(self.autoscaler.floor(model), len(ready_pods)) - len(placement))
         if not placement:
             cond = st.Condition(
                 "EndpointsReady", False, st.INSUFFICIENT_CAPACITY, f"all {len(ready_pods)} Ready pod(s) are full"
             )
-            return self._done(model, obs.observe(st.PENDING, cond), ok=False)
+            return self._done(model, obs.outcome(st.PENDING, cond), ok=False)
         holding = {p for p in live if model.model_name in (listings[p] or ())}
         to_load = [p for p in placement if self._needs_load(model, p, target, listings[p])]
         leavers = [p for p in live if p in holding and p not in placement]
@@ -265,10 +282,10 @@ class Reconciler:
             if served is None and not holding:
                 await asyncio.wait({loads}, timeout=self.progress_after)
             if not loads.done():
-                loading = obs.endpoints_of(placement, holding, leavers, self.port)
+                loading = _endpoints_changing(placement, holding, leavers, self.port)
                 cond = st.Condition("EndpointsReady", False, st.LOADING_REASON, f"loading on {len(to_load)} pod(s)")
                 obs.routable = served is not None
-                new = st.render(obs.observe(st.LOADING, cond, *loading), model.status)
+                new = st.render(obs.outcome(st.LOADING, cond, *loading), model.status)
                 if st.status_patch(new, model.status):
                     await progress(new)
 
@@ -280,39 +297,39 @@ class Reconciler:
             self._invalid[model.uid] = (target, invalid[0].message)
             self.emit(model, WARNING, st.ADAPTER_INVALID, f"worker rejected {target}: {invalid[0].message}")
             if served is not None and served != target:
-                return await self.reconcile(model, pods, progress)  # the last good version keeps serving
+                return await self._reconcile_lora(model, pods, replicas, scaling, progress)  # the last good one serves
         serving = {p for p in placement if p.name not in errors} | (holding & set(placement))
         names = [p.name for p in placement]
 
         if errors:
-            endpoints, placed = obs.endpoints_of(placement, serving, leavers, self.port)
+            endpoints, placed = _endpoints_changing(placement, serving, leavers, self.port)
             obs.routable = served is not None
             if invalid and target == source.uri:
                 failure = st.Condition("EndpointsReady", False, st.ADAPTER_INVALID, invalid[0].message)
-                return self._done(model, obs.observe(st.FAILED, failure, endpoints, placed), ok=True)
+                return self._done(model, obs.outcome(st.FAILED, failure, endpoints, placed), ok=True)
             ready = len(placement) - len(errors)
             reason = st.PARTIALLY_LOADED if ready else st.LOAD_FAILED
             if all(e.full for e in errors.values()):
                 reason = st.INSUFFICIENT_CAPACITY
             detail = "; ".join(f"{n}: {e}" for n, e in sorted(errors.items()))
             cond = st.Condition("EndpointsReady", False, reason, f"{ready}/{len(placement)} loaded; {detail}")
-            return self._done(model, obs.observe(st.DEGRADED, cond, endpoints, placed), ok=False)
+            return self._done(model, obs.outcome(st.DEGRADED, cond, endpoints, placed), ok=False)
 
-        obs.served = target
+        obs.served_uri = target
         obs.routable = True
         cond = st.Condition("EndpointsReady", True, st.ALL_LOADED, f"loaded on {len(placement)}/{len(placement)}")
         endpoints = [_endpoint(p, self.port, True) for p in placement]
         if failure is not None:
             obs.degraded = st.Condition("Degraded", True, st.SWAP_FAILED, failure.message)
-            observed = obs.observe(st.DEGRADED, cond, endpoints, names)
+            observed = obs.outcome(st.DEGRADED, cond, endpoints, names)
         elif short:
             message = f"placed {len(placement)} of {replicas} replicas: the other Ready pods are full"
             obs.degraded = st.Condition("Degraded", True, st.INSUFFICIENT_CAPACITY, message)
-            observed = obs.observe(st.DEGRADED, cond, endpoints, names)
+            observed = obs.outcome(st.DEGRADED, cond, endpoints, names)
         elif source.pending:
-            observed = obs.observe(st.SYNCING, cond, endpoints, names)
+            observed = obs.outcome(st.SYNCING, cond, endpoints, names)
         else:
-            observed = obs.observe(st.READY, cond, endpoints, names)
+            observed = obs.outcome(st.READY, cond, endpoints, names)
         requeue = await self._unload_leavers(model, names, target, leavers)
         result = self._done(model, observed, ok=not short)  # short: look again for room, with backoff
         limited_retry = self.retry_max if limited else None  # autoscaled, above minReplicas: look again for room
@@ -472,7 +489,7 @@ class Reconciler:
         synced = st.Condition("Synced", False, st.MODEL_NAME_CONFLICT, message)
         cond = st.Condition("EndpointsReady", False, st.MODEL_NAME_CONFLICT, message)
         self._settled.pop(model.uid, None)
-        return self._done(model, _Observed(model, synced, None, None, None, None).observe(st.FAILED, cond), ok=True)
+        return self._done(model, _facts(model, synced).outcome(st.FAILED, cond), ok=True)
 
     def _track_base(self, model: Model, pods: Sequence[Pod]) -> Result:
         """Base (and reserved ``adapter``) models: report the base model's pods, load nothing."""
@@ -488,7 +505,7 @@ class Reconciler:
                 "EndpointsReady", False, st.NO_WORKERS, f"no Ready worker pod serves {model.base_model_name}"
             )
             phase = st.PENDING
-        observed = _Observed(model, synced, None, None, None, None).observe(phase, cond, endpoints, [])
+        observed = _facts(model, synced).outcome(phase, cond, endpoints, [])
         return self._done(model, observed, ok=True)
 
     @staticmethod
@@ -535,59 +552,37 @@ class Reconciler:
             metrics.PLACEMENT_CHURN.labels("removed").inc(len(before - set(placement)))
 
 
-@dataclass
-class _Observed:
-    """Builder of ``status.Observed`` for one model pass (source facts fixed, endpoint facts vary)."""
+def _facts(
+    model: Model,
+    synced: st.Condition,
+    resolved: str | None = None,
+    revision: str | None = None,
+    job: str | None = None,
+    served: str | None = None,
+) -> st.Observed:
+    """What a pass knows of ``model`` before it places it; each outcome is ``Observed.outcome`` of it."""
+    unplaced = st.Condition("EndpointsReady", False, st.LOADING_REASON, "not placed yet")
+    return st.Observed(
+        model.generation, st.PENDING, synced, unplaced,
+        resolved_uri=resolved, revision=revision, sync_job=job, served_uri=served,
+    )  # fmt: skip
 
-    model: Model
-    synced: st.Condition
-    resolved: str | None
-    revision: str | None
-    job: str | None
-    served: str | None
-    degraded: st.Condition = st.NOT_DEGRADED_CONDITION
-    routable: bool = False
-    desired: int | None = None  # autoscaled models: the wanted replicas
-    scaling: st.Condition | None = None  # autoscaled models: why
 
-    def scale(self, replicas: int, decision: Decision | None) -> None:
-        if decision is not None:
-            self.desired = replicas
-            self.scaling = st.Condition("Autoscaling", True, decision.reason, decision.message)
+def _scale(observed: st.Observed, replicas: int, decision: Decision | None) -> None:
+    """Autoscaled models: the wanted replicas and the ``Autoscaling`` condition (why)."""
+    if decision is not None:
+        observed.desired_replicas = replicas
+        observed.scaling = st.Condition("Autoscaling", True, decision.reason, decision.message)
 
-    def observe(
-        self,
-        phase: str,
-        cond: st.Condition,
-        endpoints: list[dict[str, Any]] | None = None,
-        placement: list[str] | None = None,
-    ) -> st.Observed:
-        return st.Observed(
-            generation=self.model.generation,
-            phase=phase,
-            synced=self.synced,
-            endpoints_ready=cond,
-            endpoints=endpoints or [],
-            placement=placement or [],
-            resolved_uri=self.resolved,
-            revision=self.revision,
-            sync_job=self.job,
-            degraded=self.degraded,
-            served_uri=self.served,
-            routable=self.routable,
-            desired_replicas=self.desired,
-            scaling=self.scaling,
-        )
 
-    @staticmethod
-    def endpoints_of(
-        placement: list[Pod], serving: set[Pod], leavers: list[Pod], port: int
-    ) -> tuple[list[dict[str, Any]], list[str]]:
-        """Endpoints while the placement is incomplete: placed pods (ready when they serve a
-        version now), then pods that left the placement but still hold it (make-before-break)."""
-        endpoints = [_endpoint(p, port, p in serving) for p in placement]
-        endpoints += [_endpoint(p, port, True) for p in leavers]
-        return endpoints, [p.name for p in placement]
+def _endpoints_changing(
+    placement: list[Pod], serving: set[Pod], leavers: list[Pod], port: int
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Endpoints while the placement is incomplete: placed pods (ready when they serve a version now),
+    then pods that left the placement but still hold it (make-before-break)."""
+    endpoints = [_endpoint(p, port, p in serving) for p in placement]
+    endpoints += [_endpoint(p, port, True) for p in leavers]
+    return endpoints, [p.name for p in placement]
 
 
 def _served_uri(status: Mapping[str, Any]) -> str | None:

@@ -15,7 +15,7 @@ state yields an identical document (no status patch, no event loop).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -77,6 +77,18 @@ class Observed:
     routable: bool = False  # a good version is served although the phase is not Ready
     desired_replicas: int | None = None  # spec.autoscaling: the replicas wanted now
     scaling: Condition | None = None  # spec.autoscaling: the Autoscaling condition (why)
+
+    def outcome(
+        self,
+        phase: str,
+        endpoints_ready: Condition,
+        endpoints: list[dict[str, Any]] | None = None,
+        placement: list[str] | None = None,
+    ) -> Observed:
+        """These facts with a pass's outcome (a copy): its phase, ``EndpointsReady`` and endpoints."""
+        return replace(
+            self, phase=phase, endpoints_ready=endpoints_ready, endpoints=endpoints or [], placement=placement or []
+        )
 
     @property
     def ready_count(self) -> int:

@@ -39,10 +39,11 @@ from lorafleet_sync.uris import S3URI, HfURI, is_commit_sha, synced_uri
 
 from lorafleet_operator import metrics, store_credentials
 from lorafleet_operator import status as st
+from lorafleet_operator.api import API_VERSION, KIND
 from lorafleet_operator.kube import KubeClient, KubeError
 from lorafleet_operator.reconcile import SyncResult
 from lorafleet_operator.resources import Model
-from lorafleet_operator.settings import Settings
+from lorafleet_operator.settings import OperatorSettings
 
 MANAGED_BY = "lorafleet-operator"
 REVISION_ANNOTATION = "lorafleet.nvidia.com/revision"
@@ -70,11 +71,11 @@ def job_name(model_name: str, uri: str, sha: str = "") -> str:
     return "lorafleet-sync-" + blake3.blake3(key).hexdigest()[:16]
 
 
-def store_uri(settings: Settings) -> S3URI:
+def store_uri(settings: OperatorSettings) -> S3URI:
     return S3URI(settings.store_bucket, settings.store_prefix.strip("/"))
 
 
-def job_manifest(model: Model, source: HfURI, sha: str, settings: Settings, attempt: int = 1) -> dict[str, Any]:
+def job_manifest(model: Model, source: HfURI, sha: str, settings: OperatorSettings, attempt: int = 1) -> dict[str, Any]:
     """The batch/v1 Job for ``model``'s ``source`` pinned at ``sha``."""
     name = job_name(model.model_name, model.uri or str(source), sha)
     labels = {
@@ -141,8 +142,8 @@ def job_manifest(model: Model, source: HfURI, sha: str, settings: Settings, atte
             },
             "ownerReferences": [
                 {
-                    "apiVersion": "nvidia.com/v1alpha1",
-                    "kind": "DynamoModel",
+                    "apiVersion": API_VERSION,
+                    "kind": KIND,
                     "name": model.name,
                     "uid": model.uid,
                     "controller": True,
@@ -187,7 +188,9 @@ def job_state(job: Mapping[str, Any]) -> tuple[str, str]:
 class SyncJobs:
     """``SyncBackend`` creating and following sync Jobs through the Kubernetes API."""
 
-    def __init__(self, kube: KubeClient, settings: Settings, hf: HfSettings, secret_namespace: str = "") -> None:
+    def __init__(
+        self, kube: KubeClient, settings: OperatorSettings, hf: HfSettings, secret_namespace: str = ""
+    ) -> None:
         self.kube = kube
         self.settings = settings
         self.hf = hf

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet_operator import metrics
+from lorafleet_router import metrics
 
 Key = tuple[str, str, str]  # (namespace, DynamoModel name, modelName)
 FORGET_BELOW = 1e-3

@@ -3,7 +3,7 @@
 Routing table (kept current by two list+watch ``Informer`` s, no kopf: the router is a plain
 aiohttp process that can run several replicas):
 - a LoRA DynamoModel's ``modelName`` -> the inference ports of its ``status.endpoints`` with
-  ``ready: true`` whose pods are Ready; the routing policy (routing_policy.py) picks one: by default
+  ``ready: true`` whose pods are Ready; the routing policy (policy.py) picks one: by default
   the one most likely to hold the prompt's prefix in its KV cache within a load bound, else the one
   with the fewest in-flight requests through this router;
 - any other name -> Ready pods labelled ``nvidia.com/dynamo-base-model-hash`` = sha256(name)[:8]
@@ -37,15 +37,17 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
+from lorafleet_operator import status as st
+from lorafleet_operator.api import models_path
+from lorafleet_operator.kube import Informer, KubeClient, collection_path
+from lorafleet_operator.resources import Model, Pod
 from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from lorafleet_operator import metrics
-from lorafleet_operator import status as st
-from lorafleet_operator.demand import DemandTracker
-from lorafleet_operator.resources import Model, Pod
-from lorafleet_operator.routing_policy import CacheAware, Route, RoutingPolicy, make_policy, route_of
-from lorafleet_operator.settings import Settings
+from lorafleet_router import metrics
+from lorafleet_router.demand import DemandTracker
+from lorafleet_router.policy import CacheAware, Route, RoutingPolicy, make_policy, route_of
+from lorafleet_router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
@@ -388,16 +390,13 @@ def _passed_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
     return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
 
 
-async def run_router(settings: Settings) -> None:
+async def run_router(settings: RouterSettings) -> None:
     """Watch DynamoModels and worker pods, serve the router until cancelled."""
-    from lorafleet_operator.kube import Informer, KubeClient, collection_path
-
     kube = KubeClient.from_environment()
     table = RoutingTable(inference_port=settings.inference_port)
-    namespaces: list[str | None] = [None] if settings.all_namespaces else list(settings.namespaces)
     informers = []
-    for ns in namespaces:
-        informers.append(Informer(kube, collection_path("nvidia.com", "v1alpha1", "dynamomodels", ns), table.on_model))
+    for ns in settings.watched():
+        informers.append(Informer(kube, models_path(ns), table.on_model))
         informers.append(
             Informer(kube, collection_path("", "v1", "pods", ns), table.on_pod, label_selector=BASE_MODEL_HASH_LABEL)
         )
