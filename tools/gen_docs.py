@@ -131,7 +131,7 @@ def options(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, str, st
             default = found["default"] or ""
         if not default and action.default not in (None, argparse.SUPPRESS, False):
             default = repr(action.default) if isinstance(action.default, str) else str(action.default)
-        flags = sorted(action.option_strings, key=lambda o: (not o.startswith("--"), o))
+        flags = sorted(action.option_strings, key=lambda o: not o.startswith("--"))  # long first, as declared
         if action.metavar and action.nargs != 0 and action.metavar != action.dest.upper():
             flags[0] += f" {action.metavar}"
         elif action.choices and action.nargs != 0:
