@@ -24,8 +24,10 @@ and is rewritten from its source:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import os
 import re
 import sys
 import tomllib
@@ -71,8 +73,27 @@ class _Caught(Exception):
         self.parser = parser
 
 
+@contextlib.contextmanager
+def clean_environment() -> Iterator[None]:
+    """Without lorafleet's and Dynamo's variables: some defaults are read from them, and the docs
+    show the defaults a fresh process has."""
+    saved = dict(os.environ)
+    for name in [n for n in os.environ if n.startswith(("LORAFLEET_", "DYN_"))]:
+        del os.environ[name]
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def script_parser(script: str) -> argparse.ArgumentParser:
     """The argparse parser of a console script (see the module docstring)."""
+    with clean_environment():
+        return _script_parser(script)
+
+
+def _script_parser(script: str) -> argparse.ArgumentParser:
     module_name, func_name = console_scripts()[script].split(":")
     module = importlib.import_module(module_name)
     if callable(getattr(module, "build_parser", None)):
