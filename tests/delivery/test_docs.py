@@ -144,6 +144,21 @@ def test_flags_in_the_docs_exist() -> None:
     assert not unknown, f"flags no CLI has: {unknown}"
 
 
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_tables_have_as_many_cells_as_columns(page: Path) -> None:
+    lines = prose(page).split("\n")
+    cells = [len(re.split(r"(?<!\\)\|", line.strip())) - 2 for line in lines]
+    ragged = []
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("|") and re.fullmatch(r"\|(?:\s*:?-+:?\s*\|)+", lines[i + 1].strip()):
+            j = i + 2
+            while j < len(lines) and lines[j].startswith("|"):
+                if cells[j] != cells[i]:
+                    ragged.append(f"line {j + 1}: {cells[j]} cells under {cells[i]} columns")
+                j += 1
+    assert not ragged, ragged
+
+
 def test_readme_is_short_and_points_into_docs() -> None:
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 250
