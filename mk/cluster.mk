@@ -1,4 +1,4 @@
-# Local Kubernetes control plane (issue 3): Go-built tools, the e2e suite; the kind variant (issue 27).
+# Local Kubernetes control plane: Go-built tools, the e2e suite; the kind variant.
 # See docs/local-cluster.md.
 .PHONY: go-tools cluster-up cluster-down e2e e2e-kind kind-node
 

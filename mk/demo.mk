@@ -1,4 +1,4 @@
-# Delivery (issue 7): `make demo`, the kustomize manifests generated from the Helm chart, chart lint.
+# Delivery: `make demo`, the kustomize manifests generated from the Helm chart, chart lint.
 .PHONY: demo manifests chart-lint
 
 HELM_BIN = $(shell $(PY) -c 'from lorafleet_devcluster.cluster import tool_path; print(tool_path("helm"))')

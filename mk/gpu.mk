@@ -1,4 +1,4 @@
-# GPU path (issue 6): Triton kernel benchmark. Needs a CUDA device; --dry-run checks the script on CPU.
+# GPU path: Triton kernel benchmark. Needs a CUDA device; --dry-run checks the script on CPU.
 .PHONY: bench-gpu bench-gpu-dry-run test-kernels gpu-check gpu-check-bare gpu-check-run
 GPU_CHECK_DIR ?= bench/gpu-check
 

@@ -1,5 +1,5 @@
-# Images (issue 12): build them with docker or podman, and run the chart e2e with every lorafleet pod
-# from them. See README "Images" and docs/local-cluster.md.
+# Images: build them with docker or podman, and run the chart e2e with every lorafleet pod
+# from them. See docs/install.md#images and docs/local-cluster.md.
 .PHONY: images e2e-images container-engine
 
 IMAGE_TAG ?= dev

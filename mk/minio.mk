@@ -1,4 +1,4 @@
-# MinIO for the adapter-source and sync-job tests (issue 4), built from its Go module.
+# MinIO for the adapter-source and sync-job tests, built from its Go module.
 # The release tag RELEASE.2025-10-15T17-29-55Z is not served by the Go module proxy
 # reachable here (403 "not available"); the module's final master is, so we pin that.
 # A `minio` on PATH built from the same commit is used instead of building (setup says so).

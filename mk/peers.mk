@@ -1,4 +1,4 @@
-# lorafleet side by side with llama.cpp's llama-server (issue 29; bench/bench_peers.py). Not part of setup or test:
+# lorafleet side by side with llama.cpp's llama-server(bench/bench_peers.py). Not part of setup or test:
 # the first run builds llama-server and llama-quantize from the hash-pinned llama-cpp-python sdist (several minutes;
 # cached in $(LORAFLEET_CACHE)/llama.cpp-<version>/, log build.log there) and writes the GGUFs beside them.
 # BENCH_PEERS_ARGS narrows the run, e.g. BENCH_PEERS_ARGS="--pairs f32:F32 --scenarios base one --concurrency 1".

@@ -1,4 +1,4 @@
-# Chaos soak (issue 28): the chart on the local dev cluster under traffic and a seeded fault schedule.
+# Chaos soak: the chart on the local dev cluster under traffic and a seeded fault schedule.
 .PHONY: soak
 
 SOAK_MINUTES ?= 3

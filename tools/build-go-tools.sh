@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the pinned Go tools (kube-apiserver, kube-controller-manager, kubectl,
 # etcd, helm) from their Go modules into $LORAFLEET_CACHE/bin/<tool>-<version>.
-# The `kind` target builds what a kind node needs instead (issue 27): kind itself,
+# The `kind` target builds what a kind node needs instead: kind itself,
 # kubelet / kubeadm / kube-scheduler / kube-proxy, containerd, the CNI plugins and
 # CoreDNS; multi-binary modules land in a directory $BIN/<name>-<version>/.
 #

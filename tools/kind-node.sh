@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make kind-node`: a kind node image built here, from Go modules and Debian packages only (issue 27).
+# `make kind-node`: a kind node image built here, from Go modules and Debian packages only.
 #
 # kind's own images (kindest/node, and the registry.k8s.io images kubeadm pulls) come from container
 # registries this machine cannot reach, and `kind build node-image` pulls too. This script builds the
