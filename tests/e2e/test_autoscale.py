@@ -19,9 +19,7 @@ from lorafleet_devcluster.cluster import wait_until
 from lorafleet_devcluster.paths import REPO_ROOT
 from lorafleet_devcluster.rawstack import (
     BASE,
-    OPERATOR_RULES,
     READY_S,
-    ROUTER_RULES,
     RawStack,
     deployment,
     env_var,
@@ -78,7 +76,7 @@ def stack(cluster: TestCluster, tiny_models: Any, tiny_adapter_factory: Any) -> 
         env=[CODE],
         probe={"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
     )
-    stack.apply(*rbac("lorafleet-operator", OPERATOR_RULES), *rbac("lorafleet-router", ROUTER_RULES))
+    stack.apply(*rbac("lorafleet-operator", "operator"), *rbac("lorafleet-router", "router"))
     stack.apply(workers, router)
     try:
         wait_until(partial(_any_ready, stack, "router"), 180, "router pod Ready")

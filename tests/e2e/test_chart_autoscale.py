@@ -16,6 +16,7 @@ import pytest
 import yaml
 from lorafleet_devcluster.session import TestCluster
 from lorafleet_devcluster.stack import BASE_MODEL, JSON, Release, deep_merge, default_values
+from lorafleet_operator import api
 from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
 
 from tests.e2e.traffic import Load
@@ -42,7 +43,7 @@ def release(cluster: TestCluster, tmp_path_factory: pytest.TempPathFactory) -> I
 
 def hot_model(autoscaling: JSON) -> str:
     spec = {"modelName": HOT, "baseModelName": BASE_MODEL, "modelType": "lora", "source": {"uri": "s3://autoscale/hot"}}
-    doc = {"apiVersion": "nvidia.com/v1alpha1", "kind": "DynamoModel", "metadata": {"name": "hot"}}
+    doc = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "hot"}}
     return yaml.safe_dump(doc | {"spec": spec | {"autoscaling": autoscaling}})
 
 

@@ -18,6 +18,7 @@ from lorafleet_devcluster import podman
 from lorafleet_devcluster.hfhub import LocalHub
 from lorafleet_devcluster.session import TestCluster
 from lorafleet_devcluster.stack import BASE_MODEL, Release, deep_merge, default_values, wait_for
+from lorafleet_operator import api
 from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
 
 from tests.e2e.traffic import Load
@@ -229,4 +230,4 @@ def test_upgrade_with_changed_values_then_uninstall_leaves_nothing(release: Rele
     release.uninstall()
     wait_for(lambda: not chart_objects(release, namespaces), 120, "no objects of the release left")
     # The CRD stays (helm never deletes crds/), so users' DynamoModels survive an uninstall.
-    assert cluster.exists("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/dynamomodels.nvidia.com")
+    assert cluster.exists(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{api.CRD_NAME}")

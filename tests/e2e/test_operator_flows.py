@@ -25,10 +25,8 @@ from lorafleet_devcluster.minio import MinioServer
 from lorafleet_devcluster.rawstack import (
     BASE,
     BUCKET,
-    OPERATOR_RULES,
     PROMPT,
     READY_S,
-    ROUTER_RULES,
     RawStack,
     deployment,
     env_var,
@@ -134,7 +132,7 @@ def stack(
         sa="lorafleet-router",
         probe={"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
     )
-    stack.apply(secret, *rbac("lorafleet-operator", OPERATOR_RULES), *rbac("lorafleet-router", ROUTER_RULES))
+    stack.apply(secret, *rbac("lorafleet-operator", "operator"), *rbac("lorafleet-router", "router"))
     stack.apply(workers, operator, router)
     try:
         for app in ("operator", "router"):

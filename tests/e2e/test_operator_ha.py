@@ -14,14 +14,9 @@ import httpx
 import pytest
 import yaml
 from lorafleet_devcluster.cluster import wait_until
-from lorafleet_devcluster.rawstack import OPERATOR_RULES, deployment, env_var, install_crd, pod_ready, rbac
+from lorafleet_devcluster.rawstack import deployment, env_var, install_crd, pod_ready, rbac
 from lorafleet_devcluster.session import TestCluster
-
-LEASE_RULES = [
-    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
-    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["lorafleet-operator"],
-     "verbs": ["get", "update"]},
-]  # fmt: skip
+from lorafleet_operator import api
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +35,7 @@ def ns(cluster: TestCluster) -> Iterator[str]:
         ],
         probe={"httpGet": {"path": "/healthz", "port": 8080}, "periodSeconds": 2},
     )
-    docs = [*rbac("lorafleet-operator", OPERATOR_RULES + LEASE_RULES), operator]
+    docs = [*rbac("lorafleet-operator", "operator", "operator-leader"), operator]
     cluster.kubectl("apply", "-n", name, "-f", "-", input=yaml.safe_dump_all(docs))
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
@@ -65,13 +60,13 @@ def reconciles(ip: str) -> float:
 
 
 def base_model(cluster: TestCluster, ns: str, name: str) -> None:
-    doc = {"apiVersion": "nvidia.com/v1alpha1", "kind": "DynamoModel", "metadata": {"name": name},
+    doc = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": name},
            "spec": {"modelName": f"base/{name}", "baseModelName": f"base/{name}"}}  # fmt: skip
     cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
 
 
 def reconciled(cluster: TestCluster, ns: str, name: str) -> bool:
-    obj = cluster.get(f"/apis/nvidia.com/v1alpha1/namespaces/{ns}/dynamomodels/{name}")
+    obj = cluster.get(api.model_path(ns, name))
     return (obj.get("status") or {}).get("phase") == "Pending"
 
 

@@ -15,6 +15,7 @@ import pytest
 from lorafleet_devcluster.hfhub import LocalHub
 from lorafleet_devcluster.session import TestCluster
 from lorafleet_devcluster.stack import Release, deep_merge, default_values, manifest, wait_for
+from lorafleet_operator import api
 from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
 
 from tests.delivery.helm import restricted_violations
@@ -120,7 +121,7 @@ def test_sync_jobs_run_restricted_in_every_watched_namespace(release: Release, t
     assert copy["data"] == cluster.get(f"/api/v1/namespaces/{release.namespace}/secrets/{store}")["data"]
 
     def synced() -> dict[str, object] | None:
-        status = cluster.get(f"/apis/nvidia.com/v1alpha1/namespaces/{team}/dynamomodels/restricted").get("status") or {}
+        status = cluster.get(api.model_path(team, "restricted")).get("status") or {}
         conditions = {c["type"]: c for c in status.get("conditions", [])}
         return status if conditions.get("Synced", {}).get("reason") == "SyncSucceeded" else None
 

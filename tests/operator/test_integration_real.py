@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from lorafleet_operator import api
 from lorafleet_operator.controller import Runtime
 from lorafleet_operator.placement import place
 from lorafleet_operator.reconcile import Reconciler
@@ -70,7 +71,7 @@ class Env:
             meta = dict(old["metadata"])
             if old["spec"] != new_spec:
                 meta["generation"] += 1
-        body = {"apiVersion": "nvidia.com/v1alpha1", "kind": "DynamoModel", "metadata": meta, "spec": new_spec,
+        body = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": meta, "spec": new_spec,
                 "status": (old or {}).get("status", {})}  # fmt: skip
         self.objects[key] = body
         self.runtime.on_model("MODIFIED", body)

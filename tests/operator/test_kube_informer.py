@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from lorafleet_operator.api import models_path
 from lorafleet_operator.kube import Informer, KubeClient, KubeError
 
 
@@ -180,15 +181,13 @@ async def test_informer_waits_for_a_resource_that_does_not_exist_yet(caplog: pyt
         return web.json_response({"items": [pod("m", 5)], "metadata": {"resourceVersion": "5"}})
 
     app = web.Application()
-    app.add_routes([web.get("/apis/nvidia.com/v1alpha1/dynamomodels", models)])
+    app.add_routes([web.get(models_path(), models)])
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     kube = KubeClient(f"http://127.0.0.1:{runner.addresses[0][1]}", False, lambda: "Bearer t0ken")
     seen: list[tuple[str, str]] = []
-    informer = Informer(
-        kube, "/apis/nvidia.com/v1alpha1/dynamomodels", lambda t, o: seen.append((t, o["metadata"]["name"]))
-    )
+    informer = Informer(kube, models_path(), lambda t, o: seen.append((t, o["metadata"]["name"])))
     task = asyncio.create_task(informer.run())
     try:
         with caplog.at_level("WARNING", logger="lorafleet_operator.kube"):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from lorafleet_operator import api
 from lorafleet_operator.controller import Runtime
 from lorafleet_operator.ledger import MemoryLedger
 from lorafleet_operator.placement import place
@@ -300,8 +301,8 @@ async def test_own_watch_puts_one_finalizer_and_releases_it_after_unloading(
             runtime.on_pod("ADDED", pod_body(f"worker-{i}", w.host, True, BASE, namespace=ns))
         runtime.start()
         runtime.watch_models()
-        path = f"/apis/nvidia.com/v1alpha1/namespaces/{ns}/dynamomodels"
-        body = {"apiVersion": "nvidia.com/v1alpha1", "kind": "DynamoModel", "metadata": {"name": "fin"},
+        path = api.models_path(ns)
+        body = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "fin"},
                 "spec": {"modelName": "own/fin", "baseModelName": BASE, "modelType": "lora",
                          "source": {"uri": "s3://bucket/fin"}}}  # fmt: skip
         try:

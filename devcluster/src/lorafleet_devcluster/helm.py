@@ -1,7 +1,10 @@
-"""The pinned helm and the chart: `helm()`, values files, `helm template` (chart tests, e2e, `make demo`)."""
+"""The pinned helm and the chart: `helm()`, values files, `helm template`, the chart's RBAC rules
+(chart tests, e2e, `make demo`, the plain-manifest stacks of `rawstack`)."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import subprocess
 import tempfile
 import uuid
@@ -54,3 +57,32 @@ def template(
         "template", release, str(CHART), "--namespace", namespace, "--include-crds", *values_args(values), *extra
     )
     return [d for d in yaml.safe_load_all(out) if d]
+
+
+RBAC_RELEASE, RBAC_NAMESPACE = "lf", "lorafleet"
+
+
+@functools.cache
+def _chart_roles() -> dict[str, list[Doc]]:
+    """The rules of each Role the chart renders, by name less the release's prefix ("operator",
+    "operator-leader", "operator-secrets", "router"); rendered with two operator replicas, so that
+    the leader-election Role is among them."""
+    docs = template(
+        {"operator": {"replicas": 2}},
+        release=RBAC_RELEASE,
+        namespace=RBAC_NAMESPACE,
+        extra=["--show-only", "templates/operator/rbac.yaml", "--show-only", "templates/router/rbac.yaml"],
+    )
+    prefix = f"{RBAC_RELEASE}-lorafleet-"
+    return {d["metadata"]["name"].removeprefix(prefix): d["rules"] for d in docs if d["kind"] == "Role"}
+
+
+def chart_rules(*roles: str) -> list[Doc]:
+    """The RBAC rules the chart grants in a watched namespace, for plain manifests that run lorafleet's
+    processes without the chart: ``chart_rules("operator")``, ``chart_rules("router")``, and
+    ``"operator-leader"`` (the Lease for ``--leader-elect``). The chart's ``_rbac.tpl`` is the one list."""
+    rendered = _chart_roles()
+    missing = [r for r in roles if r not in rendered]
+    if missing:
+        raise KeyError(f"the chart renders no Role {missing}; it has {sorted(rendered)}")
+    return [copy.deepcopy(rule) for role in roles for rule in rendered[role]]

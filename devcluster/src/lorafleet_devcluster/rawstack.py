@@ -1,6 +1,7 @@
 """lorafleet installed from plain manifests (not the chart) on a dev cluster: the operator e2e tests and the
-operator benchmark build their stack from these: worker and operator Deployments, least-privilege RBAC,
-the DynamoModel CRD, and `RawStack`, which applies objects and checks HRW convergence and the router.
+operator benchmark build their stack from these: worker and operator Deployments, RBAC with the chart's
+rules (rendered by helm: the chart's `_rbac.tpl` is the one list), the DynamoModel CRD, and `RawStack`,
+which applies objects and checks HRW convergence and the router.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from typing import Any
 
 import httpx
 import yaml
+from lorafleet_operator import api
 from lorafleet_operator.placement import place
 
 from lorafleet_devcluster.cluster import wait_until
+from lorafleet_devcluster.helm import chart_rules
 from lorafleet_devcluster.paths import REPO_ROOT
 from lorafleet_devcluster.session import TestCluster
 
@@ -22,33 +25,13 @@ BUCKET = "loras"
 PROMPT = [1, 5, 9, 13, 17, 21]
 READY_S = 600  # a worker pod imports torch and loads the model: slow on a busy 2-core machine
 
-OPERATOR_RULES = [
-    {"apiGroups": ["nvidia.com"], "resources": ["dynamomodels"], "verbs": ["get", "list", "watch", "patch"]},
-    {"apiGroups": ["nvidia.com"], "resources": ["dynamomodels/status"], "verbs": ["get", "patch"]},
-    {"apiGroups": ["nvidia.com"], "resources": ["dynamomodels/finalizers"], "verbs": ["update"]},
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "list", "watch", "delete"]},
-    {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
-    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]},
-    {
-        "apiGroups": [""],
-        "resources": ["configmaps"],
-        "resourceNames": ["lorafleet-adapters"],
-        "verbs": ["get", "patch"],
-    },
-]
-ROUTER_RULES = [
-    {"apiGroups": ["nvidia.com"], "resources": ["dynamomodels"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-]
-
 
 def install_crd(cluster: TestCluster) -> None:
     """Apply the DynamoModel CRD (server-side) and wait until it is Established."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
     # Polled rather than `kubectl wait`: that errors out ("status.conditions accessor error") when it
     # reads the CRD before the API server has written any condition, instead of waiting.
-    path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/dynamomodels.nvidia.com"
+    path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{api.CRD_NAME}"
 
     def established() -> bool:
         conditions = (cluster.get(path).get("status") or {}).get("conditions") or []
@@ -130,7 +113,10 @@ def worker_deployment(
     )
 
 
-def rbac(name: str, rules: list[dict]) -> list[dict]:
+def rbac(name: str, *roles: str) -> list[dict]:
+    """ServiceAccount, Role and RoleBinding `name` (in the namespace they are applied to) granting what the
+    chart grants its Roles `roles` ("operator", "operator-leader", "router"; see `helm.chart_rules`)."""
+    rules = chart_rules(*roles)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": name}, "rules": rules},
@@ -158,8 +144,8 @@ class RawStack:
 
     def dm_doc(self, name: str, model_name: str, uri: str, **spec: Any) -> dict:
         return {
-            "apiVersion": "nvidia.com/v1alpha1",
-            "kind": "DynamoModel",
+            "apiVersion": api.API_VERSION,
+            "kind": api.KIND,
             "metadata": {"name": name, "labels": spec.pop("labels", {})},
             "spec": {
                 "modelName": model_name,
@@ -172,11 +158,11 @@ class RawStack:
 
     def dms(self, selector: str | None = None) -> dict[str, dict]:
         params = {"labelSelector": selector} if selector else {}
-        items = self.cluster.get(f"/apis/nvidia.com/v1alpha1/namespaces/{self.ns}/dynamomodels", **params)["items"]
+        items = self.cluster.get(api.models_path(self.ns), **params)["items"]
         return {i["metadata"]["name"]: i for i in items}
 
     def dm(self, name: str) -> dict:
-        return self.cluster.get(f"/apis/nvidia.com/v1alpha1/namespaces/{self.ns}/dynamomodels/{name}")
+        return self.cluster.get(api.model_path(self.ns, name))
 
     def pods(self, app: str) -> list[dict]:
         return self.cluster.get(f"/api/v1/namespaces/{self.ns}/pods", labelSelector=f"app={app}")["items"]

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import yaml
+from lorafleet_operator import api
 
 from lorafleet_devcluster.helm import CHART, values_args
 from lorafleet_devcluster.session import TestCluster
@@ -209,7 +210,7 @@ class Release:
         self.kubectl("apply", "-f", "-", input=text)
 
     def model(self, name: str) -> JSON:
-        return self.cluster.get(f"/apis/nvidia.com/v1alpha1/namespaces/{self.namespace}/dynamomodels/{name}")
+        return self.cluster.get(api.model_path(self.namespace, name))
 
     def wait_ready(self, name: str, *, total: int | None = None, timeout: float = 240) -> JSON:
         """Wait until DynamoModel `name` is Ready (with `total` endpoints, if given) for its generation."""
@@ -234,7 +235,7 @@ class Release:
             raise TimeoutError(f"{exc}\nstatus: {status}\noperator log:\n{self.operator_log()[-3000:]}") from None
 
     def wait_gone(self, name: str, timeout: float = 120) -> None:
-        path = f"/apis/nvidia.com/v1alpha1/namespaces/{self.namespace}/dynamomodels/{name}"
+        path = api.model_path(self.namespace, name)
         wait_for(lambda: not self.cluster.exists(path), timeout, f"DynamoModel {name} to be deleted")
 
     def table(self) -> str:
@@ -287,6 +288,4 @@ def manifest(name: str, model_name: str, uri: str, *, replicas: int | None = Non
     spec: JSON = {"modelName": model_name, "baseModelName": BASE_MODEL, "modelType": "lora", "source": {"uri": uri}}
     if replicas is not None:
         spec["replicas"] = replicas
-    return yaml.safe_dump(
-        {"apiVersion": "nvidia.com/v1alpha1", "kind": "DynamoModel", "metadata": {"name": name}, "spec": spec}
-    )
+    return yaml.safe_dump({"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": name}, "spec": spec})
