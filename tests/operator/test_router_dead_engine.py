@@ -19,8 +19,8 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 from lorafleet_devcluster.nodeagent import AddressBlock
-from lorafleet_operator import metrics
-from lorafleet_operator.router import Router, RoutingTable
+from lorafleet_router import metrics
+from lorafleet_router.router import Router, RoutingTable
 from lorafleet_worker.api.app import http_server
 from lorafleet_worker.api.inference import build_inference_app
 from lorafleet_worker.service import WorkerService, WorkerSettings
