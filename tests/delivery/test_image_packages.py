@@ -47,7 +47,7 @@ IMAGES = {
     "operator": Image(
         "operator",
         ("jobs", "operator"),
-        ("lorafleet_sync", "lorafleet_operator"),
+        ("lorafleet_sync", "lorafleet_operator", "lorafleet_router"),
         ("lorafleet-operator", "lorafleet-router", "lorafleet-sync"),
     ),
     "worker": Image(

@@ -14,7 +14,7 @@ another pass or an earlier operator already created it). The Job is owned by the
 (garbage-collected with it). Exit code 75 (network trouble) is retried up to ``backoffLimit``;
 any other failure fails the Job at once (``podFailurePolicy``).
 
-Lifecycle (issue 13): Jobs carry ``activeDeadlineSeconds`` (``--sync-deadline``) and
+Lifecycle: Jobs carry ``activeDeadlineSeconds`` (``--sync-deadline``) and
 ``ttlSecondsAfterFinished`` (``--sync-ttl``); once the status records the synced commit, a Job
 the TTL removed is not recreated. A failed Job is deleted and created again after
 ``retry_base·2^(attempt-1)`` seconds (capped by ``--retry-max`` ×60); the Synced message says
