@@ -251,6 +251,33 @@ def test_hot_swap_keeps_old_weights_for_holders(setup) -> None:
     m.release(new_ref)
 
 
+def test_a_refs_slot_is_its_versions_slot_while_pinned(setup) -> None:
+    """The version holds the one record of the slot: a ref reads it while it pins it, and not after release."""
+    config, paths = setup
+    m = _manager(config, max_loras=1)
+    m.load("x", paths["a"])
+    ref, other = m.acquire("x"), m.acquire("x")
+    assert ref.slot is None and not ref.pinned  # acquired, not activated
+    slot = m.activate(ref)
+    assert slot is not None and ref.slot == slot == m.slot_of("x") and ref.pinned
+    assert other.slot is None  # same version, but this ref does not pin it
+    m.release(ref)
+    assert ref.slot is None and not ref.pinned
+    m.release(other)
+
+
+def test_the_manager_records_where_each_adapter_came_from(setup) -> None:
+    config, paths = setup
+    m = _manager(config)
+    m.load("a", paths["a"], source="s3://bucket/a")
+    m.load("b", paths["b"])
+    assert m.sources() == {"a": "s3://bucket/a", "b": str(paths["b"])}
+    m.load("a", paths["c"], replace=True, source="hf://org/c")
+    assert m.source_of("a") == "hf://org/c" and m.source_of("zzz") is None
+    m.remove("a")
+    assert m.sources() == {"b": str(paths["b"])}
+
+
 def test_remove_refuses_new_requests_but_holders_finish(setup) -> None:
     config, paths = setup
     m = _manager(config)

@@ -21,67 +21,20 @@ from lorafleet_sync.ids import lora_id
 from lorafleet_worker.api.protocol import APIError, check_lora_name
 from lorafleet_worker.host import huge_pages
 from lorafleet_worker.metrics import WorkerMetrics
+from lorafleet_worker.settings import WorkerSettings
 from lorafleet_worker.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from lorafleet_sync.sources import AdapterSources
 
     from lorafleet_worker.core.engine import Engine
+    from lorafleet_worker.lora.manager import AdapterManager
+    from lorafleet_worker.sample.params import SamplingParams, TokenOutput
+    from lorafleet_worker.structured.grammar import CompiledGrammar, Constraint
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class WorkerSettings:
-    """Everything `lorafleet-worker serve` configures (see cli.py for the flags)."""
-
-    model_dir: Path
-    served_model_name: str
-    host: str = "0.0.0.0"
-    port: int = 8000
-    system_port: int = 9090
-    device: str = "cpu"
-    dtype: str = "auto"
-    quantization: str | None = None  # weight-only int8 / int4 base linears (model/quantization.py)
-    memory_budget: str | None = None  # a fraction of device memory or a size (None: the device's default)
-    max_loras: int = 8
-    max_cpu_loras: int = 64
-    max_lora_rank: int = 64
-    max_loaded_loras: int | None = None  # most adapters registered at once (None: unlimited)
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    kv_events: Any = None  # kv_events.KVEventsConfig (--kv-events-config), None = off
-    lora_backend: str = "auto"
-    lora_cache_dir: Path | None = None
-    admin_token: str | None = None
-    lora_enabled: bool = True
-    chat_template: str | None = None  # Jinja source replacing the model's chat template (--chat-template)
-    enable_auto_tool_choice: bool = False  # tool_choice "auto" parses calls (--enable-auto-tool-choice)
-    tool_call_parser: str | None = None  # hermes | llama3_json (--tool-call-parser)
-    stall_timeout_s: float = 60.0  # /health fails after this long without engine progress while work waits (0: never)
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
-            "device": self.device,
-            "dtype": self.dtype,
-            "max_loras": self.max_loras,
-            "max_cpu_loras": self.max_cpu_loras,
-            "max_lora_rank": self.max_lora_rank,
-            "lora_backend": self.lora_backend,
-            "enable_prefix_caching": self.enable_prefix_caching,
-            "kv_events": self.kv_events,
-            "quantization": self.quantization,
-        }
-        if self.memory_budget is not None:
-            kwargs["memory_budget"] = self.memory_budget
-        if self.max_loaded_loras is not None:
-            kwargs["max_adapters"] = self.max_loaded_loras
-        if self.max_num_seqs is not None:
-            kwargs["max_num_seqs"] = self.max_num_seqs
-        if self.max_model_len is not None:
-            kwargs["max_model_len"] = self.max_model_len
-        return kwargs
+__all__ = ["KeyedLocks", "LoadResult", "WorkerService", "WorkerSettings", "path_to_uri"]
 
 
 class KeyedLocks:
@@ -113,7 +66,8 @@ class LoadResult:
 
 
 class WorkerService:
-    """Owns the engine and the adapter registry (name -> source URI) that both APIs share.
+    """Owns the engine that both APIs share, and loads, swaps and unloads adapters into it: fetched from their
+    source URI, registered with the engine's adapter manager (the one registry of adapters and their URIs).
 
     Loads, swaps and unloads of one name are serialized by a per-name lock; different names
     proceed concurrently.
@@ -126,11 +80,10 @@ class WorkerService:
         self._engine: Engine | None = None
         self._tokenizer: Tokenizer | None = None
         self._sources: AdapterSources | None = None
-        self._loaded: dict[str, str] = {}  # name -> source URI
         self._locks = KeyedLocks()
         self.metrics.max_loras.set(settings.max_loras)
         self.metrics.max_cpu_loras.set(settings.max_cpu_loras)
-        self.metrics.loras_registered.set_function(lambda: len(self._loaded))
+        self.metrics.loras_registered.set_function(lambda: len(self.adapter_uris()))
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -212,28 +165,62 @@ class WorkerService:
 
     # --- adapters ----------------------------------------------------------------------------------
 
+    def _adapters(self) -> AdapterManager | None:
+        """The engine's adapter manager (None while the model loads, or without LoRA)."""
+        return self._engine.manager if self._engine is not None else None
+
     def loras(self) -> dict[str, int]:
-        return {name: lora_id(name) for name in sorted(self._loaded)}
+        return {name: lora_id(name) for name in self.adapter_uris()}
 
     def capacity(self) -> int | None:
         """How many adapters this worker can hold at once (``--max-loaded-loras``; None: unlimited)."""
         return self.settings.max_loaded_loras
 
     def adapter_uris(self) -> dict[str, str]:
-        """Loaded adapters and the URIs they came from."""
-        return dict(sorted(self._loaded.items()))
+        """Loaded adapters and the URIs they came from, by name."""
+        manager = self._adapters()
+        return manager.sources() if manager is not None else {}
+
+    # --- the engine, as the HTTP handlers use it ---------------------------------------------------
 
     @property
     def max_model_len(self) -> int:
-        engine = self.engine
-        limit = getattr(engine, "max_model_len", None) or self.settings.max_model_len
-        return int(limit or engine.config.max_position_embeddings)
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.engine.config.eos_token_ids)
+
+    async def compile_grammar(self, constraint: Constraint) -> CompiledGrammar:
+        """Compile a structured-output constraint off the event loop (cached); raises GrammarError."""
+        return await asyncio.to_thread(self.engine.compile, constraint)
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter: str | None,
+        grammar: CompiledGrammar | None = None,
+    ) -> AsyncIterator[TokenOutput]:
+        """Submit a request to the engine (core/engine.py `Engine.generate`)."""
+        return self.engine.generate(request_id, prompt_ids, params, adapter, grammar=grammar)
+
+    def interrupt(self, request_id: str, exc: BaseException) -> None:
+        """The request's token stream raises `exc` at its next read (no-op once the engine is gone)."""
+        if self._engine is not None:
+            self._engine.interrupt(request_id, exc)
 
     def resolve_model(self, model: str) -> str | None:
         """The adapter a request's `model` names (None = the base model); 404 when unknown."""
         if model == self.model_name:
             return None
-        if model in self._loaded:
+        manager = self._adapters()
+        if manager is not None and manager.source_of(model) is not None:
             return model
         raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
@@ -250,7 +237,7 @@ class WorkerService:
         engine = self.engine
         t0 = time.monotonic()
         async with self._locks.hold(name):
-            previous = self._loaded.get(name)
+            previous = self._source_of(name)
             if previous == uri:
                 return LoadResult(name, lora_id(name), f"LoRA adapter '{name}' already loaded")
             if previous is not None and not replace:
@@ -261,11 +248,10 @@ class WorkerService:
                 )
             try:
                 path = await self._fetch(uri)
-                await self._add_to_engine(engine, name, path, replace=previous is not None)
+                await self._add_to_engine(engine, name, path, uri, replace=previous is not None)
             except APIError:
                 self.metrics.lora_loads.labels(outcome="error").inc()
                 raise  # logged by the HTTP error handler
-            self._loaded[name] = uri
             self._pin(uri, True)
             if previous is not None:
                 self._pin(previous, False)
@@ -282,12 +268,12 @@ class WorkerService:
         engine = self.engine
         t0 = time.monotonic()
         async with self._locks.hold(name):
-            uri = self._loaded.pop(name, None)
+            uri = self._source_of(name)
             if uri is None:
                 self.metrics.lora_unloads.labels(outcome="not_found").inc()
                 raise APIError(404, f"LoRA adapter '{name}' is not loaded")
             try:
-                await engine.remove_adapter(name)
+                await engine.remove_adapter(name)  # refuses new requests at once, then waits for the in-flight
             finally:
                 self._pin(uri, False)
         elapsed = time.monotonic() - t0
@@ -303,11 +289,15 @@ class WorkerService:
         except SourceError as e:
             raise APIError(e.status, e.message) from e
 
-    async def _add_to_engine(self, engine: Engine, name: str, path: Path, *, replace: bool) -> None:
+    def _source_of(self, name: str) -> str | None:
+        manager = self._adapters()
+        return manager.source_of(name) if manager is not None else None
+
+    async def _add_to_engine(self, engine: Engine, name: str, path: Path, uri: str, *, replace: bool) -> None:
         from lorafleet_worker.lora.errors import LoRAError
 
         try:
-            await engine.add_adapter(name, path, replace=replace)
+            await engine.add_adapter(name, path, replace=replace, source=uri)
         except LoRAError as e:  # each carries its HTTP status (lora/errors.py)
             raise APIError(e.status, e.message) from e
         except Exception as e:  # a bad adapter must never take the worker down
@@ -329,5 +319,4 @@ def path_to_uri(lora_path: str) -> str:
 
 
 def _manager_stats(engine: Engine) -> Any:
-    manager = getattr(engine, "manager", None) or getattr(engine, "adapter_manager", None)
-    return getattr(manager, "stats", None)
+    return None if engine.manager is None else engine.manager.stats

@@ -40,11 +40,12 @@ class _Version:
     adapter: LoRAAdapter | None  # CPU-tier weights; None when the CPU tier dropped them
     refs: int = 0  # live AdapterRefs
     pins: int = 0  # activated AdapterRefs (pins `slot`)
-    slot: int | None = None
+    slot: int | None = None  # the GPU slot holding the weights: the one record of it (refs and requests read it)
     retired: bool = False  # replaced or removed: no new refs; freed when refs reaches 0
     reading: bool = False  # a background thread is reading the weights back from disk
     read_error: AdapterError | None = None  # the last background read failed
     content_hash: bytes = b""  # of the weights it was loaded with (prefix-cache identity)
+    source: str = ""  # where it came from (the management API's URI; default: the path)
 
 
 @dataclass(eq=False)
@@ -53,12 +54,17 @@ class AdapterRef:
 
     name: str
     _version: _Version = field(repr=False)
-    slot: int | None = None  # set by activate
+    pinned: bool = False  # set by activate: the version's slot is pinned for this ref
     released: bool = False
 
     @property
     def version(self) -> int:
         return self._version.version
+
+    @property
+    def slot(self) -> int | None:
+        """The GPU slot of this ref's version while the ref pins it (the version's slot is the only record)."""
+        return self._version.slot if self.pinned else None
 
     @property
     def identity(self) -> bytes:
@@ -102,8 +108,9 @@ class AdapterManager:
 
     # ----- registry -------------------------------------------------------------------------------
 
-    def load(self, name: str, path: Path, *, replace: bool = False) -> None:
-        """Validate `path` and register it as `name` (blocking; call it off the event loop).
+    def load(self, name: str, path: Path, *, replace: bool = False, source: str | None = None) -> None:
+        """Validate `path` and register it as `name` (blocking; call it off the event loop); `source`: where
+        the files came from, as `sources()` reports it (default: the path).
 
         Same name and path again: no-op. Same name, other path: AdapterError unless `replace`
         (hot swap: new requests get the new weights, holders of the old version keep it).
@@ -116,7 +123,9 @@ class AdapterManager:
         with self._lock:
             if self._admit(name, path, replace):  # a concurrent load of the same name won
                 return
-            new = _Version(name, next(self._ids), path, adapter, content_hash=adapter.content_hash)
+            new = _Version(
+                name, next(self._ids), path, adapter, content_hash=adapter.content_hash, source=source or str(path)
+            )
             old = self._registry.get(name)
             self._registry[name] = new
             self._counters["loads"] += 1
@@ -141,6 +150,17 @@ class AdapterManager:
         with self._lock:
             v = self._registry.get(name)
             return v.path if v is not None else None
+
+    def source_of(self, name: str) -> str | None:
+        """Where `name`'s current version came from; None when no adapter of that name is registered."""
+        with self._lock:
+            v = self._registry.get(name)
+            return v.source if v is not None else None
+
+    def sources(self) -> dict[str, str]:
+        """Every registered name and where its current version came from, by name."""
+        with self._lock:
+            return {name: self._registry[name].source for name in sorted(self._registry)}
 
     # ----- request side ---------------------------------------------------------------------------
 
@@ -200,7 +220,7 @@ class AdapterManager:
             if ref.released:
                 raise ValueError(f"AdapterRef for {ref.name!r} was already released")
             v = ref._version
-            if ref.slot is None:
+            if not ref.pinned:
                 if v.slot is None:
                     if not self.weights_ready(ref):
                         return None
@@ -209,10 +229,10 @@ class AdapterManager:
                         return None
                     self._install(v, slot)
                 v.pins += 1
-                ref.slot = v.slot
-            assert ref.slot is not None
-            self._slot_lru.move_to_end(ref.slot)
-            return ref.slot
+                ref.pinned = True
+            assert v.slot is not None, "a pinned version keeps its slot"
+            self._slot_lru.move_to_end(v.slot)
+            return v.slot
 
     def release(self, ref: AdapterRef) -> None:
         """Unpin `ref`'s slot (if activated) and drop its hold on the version. Idempotent."""
@@ -221,8 +241,9 @@ class AdapterManager:
                 return
             ref.released = True
             v = ref._version
-            if ref.slot is not None:
+            if ref.pinned:
                 v.pins -= 1
+                ref.pinned = False
             v.refs -= 1
             if v.retired and v.refs == 0:
                 self._free(v)
