@@ -164,7 +164,7 @@ class Server:
 def start_lorafleet(
     model: Path, adapters: list[tuple[str, Path]], precision: str, workdir: Path, threads: int
 ) -> Server:
-    from lorafleet_worker.demo import free_port, launch_worker, wait_ready
+    from lorafleet_worker_dev.launch import free_port, launch_worker, wait_ready
 
     host = "127.0.0.1"
     port, system_port = free_port(host), free_port(host)
@@ -192,7 +192,7 @@ def start_lorafleet(
 def start_llama(
     model: Path, adapters: list[tuple[str, Path]], ggufs: list[Path], workdir: Path, tag: str, threads: int
 ) -> Server:
-    from lorafleet_worker.demo import free_port
+    from lorafleet_worker_dev.launch import free_port
 
     port = free_port("127.0.0.1")
     cmd = llama_cpp.server_command(
@@ -218,7 +218,7 @@ def start_llama(
 
 
 def stop(server: Server) -> None:
-    from lorafleet_worker.demo import stop_worker
+    from lorafleet_worker_dev.launch import stop_worker
 
     stop_worker(server.proc)
 
@@ -474,7 +474,7 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def default_pairs() -> list[str]:
     """The precision pairs of a default run: w8a8:Q8_0 only where `--quantization w8a8_int8` runs (AVX512-VNNI;
     elsewhere the worker refuses it at startup)."""
-    from lorafleet_worker.native_ops import cpu_flags
+    from lorafleet_worker.ops.loader import cpu_flags
 
     return ["f32:F32", "bf16:BF16", "int8:Q8_0"] + (["w8a8:Q8_0"] if "avx512_vnni" in cpu_flags() else [])
 

@@ -39,7 +39,7 @@ def log(msg: str) -> None:
 
 def bench_model(name: str | None = None, **overrides: Any) -> Path:
     """The benchmark base model (the smoke model under LORAFLEET_BENCH_SMOKE), generated once and cached."""
-    from lorafleet_worker.devtools import make_tiny_model
+    from lorafleet_worker_dev.tiny import make_tiny_model
 
     name = name or ("llama-smoke" if SMOKE else "llama-100m")
     out = CACHE / name
@@ -53,7 +53,7 @@ def bench_model(name: str | None = None, **overrides: Any) -> Path:
 
 def bench_adapter(base: Path, index: int, rank: int, targets: tuple[str, ...] | None = None) -> Path:
     """Random adapter `index` of rank `rank` for `base` (all seven projections unless `targets`), cached."""
-    from lorafleet_worker.devtools import ALL_TARGETS, make_tiny_adapter
+    from lorafleet_worker_dev.tiny import ALL_TARGETS, make_tiny_adapter
 
     suffix = "" if targets is None else "-" + "-".join(t.removesuffix("_proj") for t in targets)
     out = CACHE / f"{base.name}-adapters" / f"a{index:03d}-r{rank}{suffix}"

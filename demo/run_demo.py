@@ -83,7 +83,7 @@ def fallback(missing: list[str]) -> int:
 def adapters_and_hub(workdir: Path) -> Iterator[tuple[dict[str, Path], str]]:
     """Tiny base model + one adapter per DynamoModel; the hf:// one is served by a local Hub."""
     from lorafleet_devcluster.hfhub import LocalHub
-    from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
+    from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
 
     say("generating a tiny qwen3 base model and 4 LoRA adapters (real PEFT files)")
     base = make_tiny_model(workdir / "base", "qwen3")

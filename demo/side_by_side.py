@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from lorafleet_worker.demo import run_in_workdir
+from lorafleet_worker_dev.launch import run_in_workdir
 
 from demo.adapter_data import ADAPTERS, DEMO_QUESTIONS, TOOL_QUESTION, TOOLS
 from demo.real_model import SERVED_NAME, prepare_model
@@ -125,7 +125,7 @@ def models_to_ask() -> dict[str, str]:
 
 def run_single_worker(workdir: Path) -> int:
     """One worker with the real model; the trained adapters loaded through its management API."""
-    from lorafleet_worker.demo import WorkerStartError, free_port, launch_worker, stop_worker, wait_ready
+    from lorafleet_worker_dev.launch import WorkerStartError, free_port, launch_worker, stop_worker, wait_ready
 
     model = prepare_model()
     adapters = trained_adapters()

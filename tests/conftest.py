@@ -22,7 +22,7 @@ class TinyModels:
         self._lock = threading.Lock()
 
     def __getitem__(self, arch: str) -> Path:
-        from lorafleet_worker.devtools import make_tiny_model
+        from lorafleet_worker_dev.tiny import make_tiny_model
 
         if arch not in ARCHS:
             raise KeyError(arch)
@@ -59,7 +59,7 @@ def tiny_adapter_factory(tmp_path_factory: pytest.TempPathFactory) -> AdapterFac
 
     Treat the returned directory as read-only (it is shared); copy it before corrupting it.
     """
-    from lorafleet_worker.devtools import make_tiny_adapter
+    from lorafleet_worker_dev.tiny import make_tiny_adapter
 
     root = tmp_path_factory.mktemp("tiny_adapters")
     cache: dict[str, Path] = {}

@@ -1,4 +1,4 @@
-"""Chaos soak (issue 28): the chart on the local dev cluster under router traffic while a seeded
+"""Chaos soak: the chart on the local dev cluster under router traffic while a seeded
 fault schedule runs; convergence sampled throughout; invariants checked at the end; a JSON report
 with the seed and a timeline plot (tools/soak_report.py).
 
@@ -54,7 +54,7 @@ from lorafleet_devcluster.hfhub import LocalHub
 from lorafleet_devcluster.rawstack import pod_ready
 from lorafleet_devcluster.session import TestCluster, shared_cluster
 from lorafleet_devcluster.stack import BASE_MODEL, Release, deep_merge, default_values, wait_for
-from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
+from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import soak_report  # tools/ is not a package: its directory is on the path

@@ -277,7 +277,7 @@ def test_workers_carry_the_base_model_hash_and_both_ports() -> None:
     qwen = one(docs, "Deployment", "lf-lorafleet-worker-qwen")["spec"]["template"]["spec"]
     (init,) = qwen["initContainers"]
     model_dir = "/models/model"
-    assert init["command"][:2] == ["lorafleet-worker", "make-tiny-model"] and model_dir in init["command"]
+    assert init["command"][:2] == ["lorafleet-dev", "make-tiny-model"] and model_dir in init["command"]
     assert f"--model={model_dir}" in qwen["containers"][0]["args"]
     llama = one(docs, "Deployment", "lf-lorafleet-worker-llama")["spec"]["template"]["spec"]
     assert any(v.get("persistentVolumeClaim", {}).get("claimName") == "models" for v in llama["volumes"])
@@ -347,16 +347,19 @@ def project_scripts(project: str) -> set[str]:
 
 
 def test_container_commands_are_the_image_clis() -> None:
-    # The images' venvs hold the projects' scripts and python (MinIO's bucket helper runs python -c).
+    # The images' venvs hold the projects' scripts and python (MinIO's bucket helper runs python -c); the worker's
+    # -dev variant also the dev tools' (worker/dev).
+    worker = project_scripts("worker") | project_scripts("jobs") | {"python"}
     image_scripts = {
         "lorafleet/operator": project_scripts("operator") | project_scripts("jobs") | {"python"},
-        "lorafleet/worker": project_scripts("worker") | project_scripts("jobs") | {"python"},
+        "lorafleet/worker": worker,
+        "lorafleet/worker -dev": worker | project_scripts("worker/dev"),
     }
     docs = template({"workers": WORKERS})
     checked = 0
     for dep in find(docs, "Deployment"):
         for c in containers(dep):
-            repo = c["image"].rsplit(":", 1)[0]
+            repo = c["image"].rsplit(":", 1)[0] + (" -dev" if c["image"].endswith("-dev") else "")
             if repo in image_scripts:
                 assert c["command"][0] in image_scripts[repo], f"{c['name']}: {c['command']}"
                 checked += 1

@@ -58,7 +58,10 @@ IMAGES = {
         may_lack=tuple(extra_modules("worker", "dev")),
     ),
     "worker-dev": Image(
-        "worker-dev", ("jobs", "worker"), ("lorafleet_sync", "lorafleet_worker"), ("lorafleet-worker", "lorafleet-sync")
+        "worker-dev",
+        ("jobs", "worker", "worker/dev"),
+        ("lorafleet_sync", "lorafleet_worker", "lorafleet_worker_dev"),
+        ("lorafleet-worker", "lorafleet-sync", "lorafleet-dev"),
     ),
 }
 

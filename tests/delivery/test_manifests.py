@@ -69,7 +69,7 @@ def test_dev_overlay_runs_minio_and_a_tiny_worker(dev: list[Doc]) -> None:
     store = one(dev, "ConfigMap", "lorafleet-store")["data"]
     assert store["AWS_ENDPOINT_URL_S3"] == "http://lorafleet-minio:9000"
     worker = one(dev, "Deployment", "lorafleet-worker-tiny")["spec"]["template"]["spec"]
-    assert worker["initContainers"][0]["command"][:2] == ["lorafleet-worker", "make-tiny-model"]
+    assert worker["initContainers"][0]["command"][:2] == ["lorafleet-dev", "make-tiny-model"]
     operator = one(dev, "Deployment", "lorafleet-operator")["spec"]["template"]["spec"]["containers"][0]
     assert env_of(operator)["LORAFLEET_STORE_SECRET"] == "lorafleet-store"
 

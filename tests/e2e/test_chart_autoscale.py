@@ -17,7 +17,7 @@ import yaml
 from lorafleet_devcluster.session import TestCluster
 from lorafleet_devcluster.stack import BASE_MODEL, JSON, Release, deep_merge, default_values
 from lorafleet_operator import api
-from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
+from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
 
 from tests.e2e.traffic import Load
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from lorafleet_devcluster.session import TestCluster
 from lorafleet_devcluster.stack import BASE_MODEL, Release, deep_merge, default_values, manifest, wait_for
-from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
+from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
 
 from tests.delivery.helm import CHART, helm, values_args
 

@@ -19,7 +19,7 @@ from lorafleet_devcluster.hfhub import LocalHub
 from lorafleet_devcluster.session import TestCluster
 from lorafleet_devcluster.stack import BASE_MODEL, Release, deep_merge, default_values, wait_for
 from lorafleet_operator import api
-from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
+from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
 
 from tests.e2e.traffic import Load
 

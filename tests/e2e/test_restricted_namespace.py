@@ -16,7 +16,7 @@ from lorafleet_devcluster.hfhub import LocalHub
 from lorafleet_devcluster.session import TestCluster
 from lorafleet_devcluster.stack import Release, deep_merge, default_values, manifest, wait_for
 from lorafleet_operator import api
-from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
+from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
 
 from tests.delivery.helm import restricted_violations
 

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 from lorafleet_worker.config import ModelConfig
-from lorafleet_worker.demo import WorkerStartError, free_port, launch_worker, wait_ready
-from lorafleet_worker.demo import stop_worker as stop_process
+from lorafleet_worker_dev.launch import WorkerStartError, free_port, launch_worker, wait_ready
+from lorafleet_worker_dev.launch import stop_worker as stop_process
 
 READY_TIMEOUT_S = float(os.environ.get("LORAFLEET_TEST_READY_TIMEOUT_S", "300"))
 ADMIN_TOKEN = "test-admin-token-0123456789"

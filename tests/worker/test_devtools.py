@@ -1,14 +1,17 @@
-"""The dev tools write real Hugging Face models and real PEFT adapters."""
+"""The dev tools (worker/dev, `lorafleet-dev`) write real Hugging Face models and real PEFT adapters."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from lorafleet_worker.config import ModelConfig
-from lorafleet_worker.devtools import make_tiny_model
+from lorafleet_worker_dev.cli import main
+from lorafleet_worker_dev.tiny import make_tiny_model
 from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
@@ -90,3 +93,33 @@ def test_tiny_adapter_variants(tiny_models, tiny_adapter_factory) -> None:
     dora = tiny_adapter_factory(base_dir, rank=4, use_dora=True)
     assert json.loads((dora / "adapter_config.json").read_text())["use_dora"] is True
     assert any("lora_magnitude_vector" in k for k in load_file(str(dora / "adapter_model.safetensors")))
+
+
+def test_make_tiny_adapter_writes_a_peft_adapter(tiny_models: Any, tmp_path: Path) -> None:
+    out = tmp_path / "adapter"
+    assert main(["make-tiny-adapter", str(out), "--base", str(tiny_models["llama"]), "--rank", "4", "--alpha", "3",
+                 "--rslora", "--targets", "q_proj", "v_proj", "--seed", "5"]) == 0  # fmt: skip
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 3 and config["use_rslora"] is True
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    assert (out / "adapter_model.safetensors").stat().st_size > 0
+
+
+def test_make_tiny_model_writes_a_model(tmp_path: Path) -> None:
+    out = tmp_path / "model"
+    assert main(["make-tiny-model", str(out), "--arch", "qwen3", "--seed", "1"]) == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3"
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_the_worker_package_ships_no_dev_tools() -> None:
+    """The dev tools live in worker/dev (`lorafleet-worker-dev`), which the worker image installs only in its -dev
+    variant: nothing of the product package imports them or transformers / peft."""
+    import lorafleet_worker
+
+    root = Path(lorafleet_worker.__file__).parent
+    assert not (root / "devtools.py").exists() and not (root / "demo.py").exists()
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        assert "lorafleet_worker_dev" not in text, path
+        assert not re.search(r"^\s*(import|from) (transformers|peft)\b", text, re.MULTILINE), path

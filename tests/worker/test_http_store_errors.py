@@ -14,7 +14,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import httpx
 import pytest
-from lorafleet_worker.demo import free_port
+from lorafleet_worker_dev.launch import free_port
 
 from tests.worker.conftest import Worker, load_error, start_worker, stop_worker
 

@@ -1,4 +1,4 @@
-"""`lorafleet-worker serve | make-tiny-model | make-tiny-adapter`."""
+"""`lorafleet-worker serve` (the dev tools' `make-tiny-model` / `make-tiny-adapter`: `lorafleet-dev`, worker/dev)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from lorafleet_worker.host import huge_pages
 from lorafleet_worker.settings import WorkerSettings
@@ -21,13 +20,6 @@ OTHER_ENVIRONMENT = (
     ("THP_MEM_ALLOC_ENABLE", "1 (default): weights, KV cache and LoRA slots on 2 MB pages; 0: 4 KB pages"),
     ("AWS_*, HF_ENDPOINT, HF_TOKEN", "credentials of s3:// and hf:// sources"),
 )
-
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
 
 
 def serve_epilog() -> str:
@@ -54,19 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     WorkerSettings.add_arguments(serve)
 
-    tiny = sub.add_parser("make-tiny-model", help="write a random tiny model (dev tool)")
-    tiny.add_argument("dir", type=Path, help="output directory")
-    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
-    tiny.add_argument("--seed", type=int, default=0)
-
-    adapter = sub.add_parser("make-tiny-adapter", help="write a real PEFT LoRA adapter for a model (dev tool)")
-    adapter.add_argument("dir", type=Path, help="output directory")
-    adapter.add_argument("--base", required=True, type=Path, help="base model directory")
-    adapter.add_argument("--rank", required=True, type=_positive)
-    adapter.add_argument("--alpha", type=float, help="lora_alpha (default 2 x rank)")
-    adapter.add_argument("--rslora", action="store_true", help="rank-stabilized scaling alpha/sqrt(r)")
-    adapter.add_argument("--targets", nargs="+", help="target modules (default: all seven projections)")
-    adapter.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -90,30 +69,6 @@ def _serve(args: argparse.Namespace) -> int:
     return asyncio.run(run_worker(settings))
 
 
-def _make_tiny_model(args: argparse.Namespace) -> int:
-    from lorafleet_worker.devtools import make_tiny_model
-
-    out = make_tiny_model(args.dir, args.arch, seed=args.seed)
-    print(f"wrote a tiny {args.arch} model to {out}")
-    return 0
-
-
-def _make_tiny_adapter(args: argparse.Namespace) -> int:
-    from lorafleet_worker.devtools import ALL_TARGETS, make_tiny_adapter
-
-    out = make_tiny_adapter(
-        args.dir,
-        args.base,
-        rank=args.rank,
-        alpha=args.alpha,
-        rslora=args.rslora,
-        targets=args.targets or ALL_TARGETS,
-        seed=args.seed,
-    )
-    print(f"wrote a rank-{args.rank} LoRA adapter to {out}")
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     huge_pages.request()  # before torch allocates anything (`huge_pages.py`)
     args = build_parser().parse_args(argv)
@@ -122,5 +77,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    commands = {"serve": _serve, "make-tiny-model": _make_tiny_model, "make-tiny-adapter": _make_tiny_adapter}
-    return commands[args.command](args)
+    return _serve(args)  # the one command

@@ -1,106 +1,29 @@
 """Single-worker demo: a tiny generated model, two PEFT adapters, one answer from each.
 
-`python -m lorafleet_worker.demo [--workdir DIR]` (or `make demo-worker`) generates the model and
+`python -m lorafleet_worker_dev.demo [--workdir DIR]` (or `make demo-worker`) generates the model and
 adapters, starts `lorafleet-worker serve` as a subprocess, loads both adapters through the
 management API, asks the base model and each adapter the same questions and prints what happened.
-`launch_worker` / `wait_ready` are also used by the tests to run real worker processes.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-READY_TIMEOUT_S = 300.0
-
-
-class WorkerStartError(RuntimeError):
-    """The worker exited or did not become ready in time."""
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def launch_worker(
-    model_dir: Path,
-    *,
-    name: str,
-    host: str,
-    port: int,
-    system_port: int,
-    args: Sequence[str] = (),
-    env: dict[str, str] | None = None,
-    log: IO[bytes] | None = None,
-) -> subprocess.Popen[bytes]:
-    """Start `lorafleet-worker serve` (same interpreter) in its own session; does not wait."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "lorafleet_worker",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        name,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--system-port",
-        str(system_port),
-        *args,
-    ]
-    return subprocess.Popen(
-        cmd,
-        stdout=log,
-        stderr=subprocess.STDOUT if log is not None else None,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        start_new_session=True,
-    )
-
-
-def wait_ready(proc: subprocess.Popen[bytes], system_url: str, timeout: float = READY_TIMEOUT_S) -> None:
-    """Poll `/ready` until it answers 200; raise if the process exits or the deadline passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise WorkerStartError(f"the worker exited with status {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"{system_url}/ready", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            raise WorkerStartError(f"the worker was not ready after {timeout:.0f}s")
-        time.sleep(0.2)
-
-
-def stop_worker(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
-    """SIGTERM, wait for a clean exit; SIGKILL only if it hangs. Returns the exit status."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return int(proc.returncode)
+from lorafleet_worker_dev.launch import (
+    WorkerStartError,
+    free_port,
+    launch_worker,
+    run_in_workdir,
+    stop_worker,
+    wait_ready,
+)
+from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
 
 
 def _call(method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
@@ -114,8 +37,6 @@ def _call(method: str, url: str, body: dict[str, Any] | None = None) -> tuple[in
 
 
 def run_demo(workdir: Path) -> int:
-    from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
-
     print(f"==> generating a tiny llama model and two LoRA adapters in {workdir}")
     model_dir = workdir / "tiny-llama"
     if not (model_dir / "config.json").exists():
@@ -183,20 +104,6 @@ def run_demo(workdir: Path) -> int:
         return 1
     finally:
         stop_worker(proc)
-
-
-def run_in_workdir(
-    run: Callable[[Path], int], argv: Sequence[str] | None, *, description: str | None, workdir_help: str, prefix: str
-) -> int:
-    """A demo's command line: `--workdir DIR` (created if missing), else a temporary directory."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--workdir", type=Path, help=f"{workdir_help} (default: a temp dir)")
-    args = parser.parse_args(argv)
-    if args.workdir is not None:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        return run(args.workdir.resolve())
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        return run(Path(tmp))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
