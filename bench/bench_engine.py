@@ -178,7 +178,7 @@ def run_lorafleet(
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Throughput passes at each concurrency, then (if `breakdown_c`) one timed pass: ms per decode-step part."""
     from lorafleet_worker.core.engine import Engine
-    from lorafleet_worker.sample.sampler import SamplingParams
+    from lorafleet_worker.sample.params import SamplingParams
 
     spec = SCENARIOS[scenario]
     adapters = scenario_adapters(scenario, model)
@@ -360,7 +360,7 @@ def run_ab(model: Path, concurrencies: list[int], rounds: int, device: str) -> d
     bench/README.md), so comparisons with the peer come from the separate-process runs.
     """
     from lorafleet_worker.core.engine import Engine
-    from lorafleet_worker.sample.sampler import SamplingParams
+    from lorafleet_worker.sample.params import SamplingParams
 
     adapters = scenario_adapters("mixed16", model)
     names = [n for n, _ in adapters]

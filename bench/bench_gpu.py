@@ -125,8 +125,8 @@ def bench_lora(
     shape: LoRAShape, dtype: Any, device: Any, timer: Callable, peak: tuple[float, float] | None
 ) -> dict[str, Any]:
     import torch
-    from lorafleet_worker.lora.backend import TorchLoRABackend
-    from lorafleet_worker.lora.triton_backend import TritonLoRABackend
+    from lorafleet_worker.lora.backends import TorchLoRABackend
+    from lorafleet_worker.lora.backends.triton import TritonLoRABackend
 
     from bench.kernel_inputs import random_proj_weights
 
@@ -226,7 +226,7 @@ def bench_attention(
 async def _decode_run(
     engine: Any, adapters: list[str], num_seqs: int, prompt_len: int, max_tokens: int
 ) -> dict[str, Any]:
-    from lorafleet_worker.sample.sampler import SamplingParams
+    from lorafleet_worker.sample.params import SamplingParams
 
     vocab = engine.config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

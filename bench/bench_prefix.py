@@ -78,7 +78,7 @@ def _cpu_seconds() -> float:
 
 
 async def run_workload(fleet: Fleet, args: argparse.Namespace, systems: list[list[int]], reuse: bool) -> dict[str, Any]:
-    from lorafleet_worker.sample.sampler import SamplingParams
+    from lorafleet_worker.sample.params import SamplingParams
 
     params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True)
     ttfts: list[float] = []

@@ -64,7 +64,7 @@ COMPILE_SCHEMAS: dict[str, dict[str, Any]] = {
 
 
 async def one_pass(engine: Any, prompts: list[list[int]], args: argparse.Namespace, grammar: Any) -> dict[str, Any]:
-    from lorafleet_worker.sample.sampler import SamplingParams
+    from lorafleet_worker.sample.params import SamplingParams
 
     queue: asyncio.Queue[tuple[int, list[int]]] = asyncio.Queue()
     for item in enumerate(prompts):
@@ -77,15 +77,14 @@ async def one_pass(engine: Any, prompts: list[list[int]], args: argparse.Namespa
         while not queue.empty():
             i, prompt = queue.get_nowait()
             params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=grammar is None)
-            constraint = None if grammar is None else grammar.matcher()
             ids = []
-            async for out in engine.generate(f"r{time.perf_counter()}-{i}", prompt, params, constraint=constraint):
+            async for out in engine.generate(f"r{time.perf_counter()}-{i}", prompt, params, grammar=grammar):
                 if out.token_id >= 0:
                     ids.append(out.token_id)
             tokens += len(ids)
             texts.append(ids)
 
-    masks = engine.grammar_masks.stats
+    masks = engine.core.structured.mask_stats
     before = (masks.steps, masks.compute_s, masks.wait_s)
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(args.concurrency)))
@@ -105,11 +104,11 @@ async def one_pass(engine: Any, prompts: list[list[int]], args: argparse.Namespa
 
 
 def compile_times(compiler: Any) -> dict[str, Any]:
-    from lorafleet_worker.structured.grammar import GrammarSpec
+    from lorafleet_worker.structured.grammar import JsonSchema
 
     out = {}
     for name, schema in COMPILE_SCHEMAS.items():
-        spec = GrammarSpec.json_schema(schema, name)
+        spec = JsonSchema.of(schema, name)
         t0 = time.perf_counter()
         compiler.compile(spec)
         cold = time.perf_counter() - t0
@@ -130,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from lorafleet_worker.core.engine import Engine
-    from lorafleet_worker.structured.grammar import GrammarCompiler, GrammarSpec
+    from lorafleet_worker.structured.grammar import GrammarCompiler, JsonSchema
     from lorafleet_worker.tokenizer import Tokenizer
 
     model = real_model()
@@ -142,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     tokenizer_s = time.perf_counter() - t0  # llguidance reads tokenizer.json once per worker
     compiles = compile_times(compiler)
-    grammar = compiler.compile(GrammarSpec.json_schema(WORKLOAD_SCHEMA, "workload"))
+    grammar = compiler.compile(JsonSchema.of(WORKLOAD_SCHEMA, "workload"))
     topics = ["fruits", "cities", "colours", "animals", "tools", "rivers", "games", "songs"]
     prompts = [
         tokenizer.encode_chat([{"role": "user", "content": f"List {topics[i % len(topics)]} as JSON, request {i}."}])

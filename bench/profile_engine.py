@@ -91,9 +91,8 @@ class StepProfiler:
 
 
 def profile(model: Path, scenario: str, concurrency: int, profile_steps: int) -> None:
-    import lorafleet_worker.core.engine as engine_mod
     from lorafleet_worker.core.engine import Engine
-    from lorafleet_worker.sample.sampler import SamplingParams
+    from lorafleet_worker.sample.params import SamplingParams
 
     spec = SCENARIOS[scenario]
     adapters = scenario_adapters(scenario, model)
@@ -108,12 +107,12 @@ def profile(model: Path, scenario: str, concurrency: int, profile_steps: int) ->
     )
     profiler = StepProfiler(engine._step, profile_steps) if profile_steps else None
     engine._step = timers.wrap("step", profiler or engine._step)
-    engine.model.forward = timers.wrap("forward", engine.model.forward)
-    engine_mod.sample = timers.wrap("sample", engine_mod.sample)
-    engine_mod.build_forward_batch = timers.wrap("build_batch", engine_mod.build_forward_batch)
-    engine.scheduler.schedule = timers.wrap("schedule", engine.scheduler.schedule)
-    if engine.lora_backend is not None:
-        backend = engine.lora_backend
+    engine.core.runner.model.forward = timers.wrap("forward", engine.core.runner.model.forward)
+    runner = engine.core.runner
+    runner.sampler = timers.wrap("sample", runner.sampler)
+    engine.core.scheduler.schedule = timers.wrap("schedule", engine.core.scheduler.schedule)
+    if engine.core.runner.lora_backend is not None:
+        backend = engine.core.runner.lora_backend
         backend.apply = timers.wrap("lora_apply", backend.apply)
         backend.step_runners = False  # decode steps' LoRA through the timed apply too
         backend.prepare = timers.wrap("lora_prepare", backend.prepare)

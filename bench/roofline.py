@@ -24,9 +24,9 @@ Floors for one decode step of `c` sequences (each part: max(bytes / bandwidth, F
 
 Bytes count the step's dtype (4 for float32, 2 for bfloat16).
 
-`StepBreakdown` times the same parts of the engine's decode steps from outside (wrapping
-`base_linear`, through which the model module sends every base GEMM, the LoRA backend's `apply`, the decoder layer's
-`_attention` and the engine's `sample`); "rest" is the step's wall time minus those.
+`StepBreakdown` times the same parts of the engine's decode steps from outside: through the model's hook
+(`Transformer.set_ops`: timed base GEMMs and attention), the LoRA backend's `apply` and the model runner's
+`sampler`; "rest" is the step's wall time minus those.
 """
 
 from __future__ import annotations
@@ -215,25 +215,30 @@ class StepBreakdown:
     """
 
     def __init__(self, engine: Any) -> None:
-        import lorafleet_worker.core.engine as engine_mod
-        import lorafleet_worker.model.transformer as model_mod
-        from lorafleet_worker.model import cpu_attention
+        from lorafleet_worker.model.transformer import ForwardOps
 
         self.steps: list[dict[str, float]] = []
         self._current: dict[str, float] = {}
         self._decode_only = True
         self._undo: list[Callable[[], None]] = []
+        runner = engine.core.runner
         self._patch(engine, "_step", self._wrap_step(engine._step))
-        self._patch(engine_mod, "sample", self._wrap("sampling", engine_mod.sample))
-        self._patch(model_mod, "base_linear", self._wrap("base_gemms", model_mod.base_linear))
-        self._patch(model_mod, "direct_linears", False)  # every GEMM through the timed base_linear
-        attention = model_mod.paged_attention
-        self._patch(model_mod, "paged_attention", self._wrap("attention", attention, watch_batch=True))
-        fused = cpu_attention.decode_attention  # a decode-only step's attention on CPU, one C++ op a layer
-        self._patch(cpu_attention, "decode_attention", self._wrap("attention", fused))
-        if engine.lora_backend is not None:
-            self._patch(engine.lora_backend, "apply", self._wrap("lora", engine.lora_backend.apply))
-            self._patch(engine.lora_backend, "step_runners", False)  # every LoRA call through the timed apply
+        self._patch(runner, "sampler", self._wrap("sampling", runner.sampler))
+        # the model's hook: every GEMM and attention through timed ops (no direct panel ops, no fused decode loop)
+        model, ops = runner.model, runner.model.ops
+        model.set_ops(
+            ForwardOps(
+                linear=self._wrap("base_gemms", ops.linear),
+                attention=self._wrap("attention", ops.attention, watch_batch=True),
+                decode_attention=self._wrap("attention", ops.decode_attention),  # one C++ op a layer
+                direct=False,
+            )
+        )
+        self._undo.append(lambda: model.set_ops(ops))
+        backend = runner.lora_backend
+        if backend is not None:
+            self._patch(backend, "apply", self._wrap("lora", backend.apply))
+            self._patch(backend, "step_runners", False)  # every LoRA call through the timed apply
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
         old = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)

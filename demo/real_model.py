@@ -247,7 +247,7 @@ def worker_scores(path: Path, prompts: list[list[int]]) -> list[tuple[list[float
     import asyncio
 
     from lorafleet_worker.core.engine import Engine
-    from lorafleet_worker.sample.sampler import SamplingParams
+    from lorafleet_worker.sample.params import SamplingParams
 
     engine = Engine(path, dtype="float32", max_loras=0, max_num_seqs=len(prompts), max_model_len=256, num_kv_blocks=64)
 

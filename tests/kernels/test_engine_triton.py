@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 from lorafleet_worker.core.engine import Engine
-from lorafleet_worker.devtools import make_tiny_adapter, make_tiny_model
+from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
 from lorafleet_worker.kernels import paged_attention
+from lorafleet_worker.lora.backends.triton import TritonLoRABackend
 from lorafleet_worker.lora.batch import LoRABatchInfo
-from lorafleet_worker.lora.triton_backend import TritonLoRABackend
 from lorafleet_worker.model.quantization import METHODS as QUANTIZATIONS
-from lorafleet_worker.sample.sampler import SamplingParams, TokenOutput
+from lorafleet_worker.sample.params import SamplingParams, TokenOutput
 
 PROMPT = [5, 17, 42, 99, 7, 63, 120, 11, 250, 31, 8, 77, 140, 3, 19, 56, 200, 64, 12, 90]
 MAX_TOKENS = 6
@@ -60,7 +60,7 @@ async def _run(
     # the paged-attention kernel goes with the Triton backend; on CPU the torch LoRA backend gets the C++
     # decode attention where it builds (model/cpu_attention.py), else the torch one
     expected = {"triton"} if backend == "triton" else {"cpu", "torch"} if device == "cpu" else {"torch"}
-    assert engine.model.attn_backend in expected
+    assert engine.core.runner.model.attn_backend in expected
     await engine.start()
     try:
         for name, path in adapters.items():
@@ -155,10 +155,10 @@ async def test_engine_defaults_on_cuda_are_the_compiled_triton_path_in_bf16(
 ) -> None:
     model, adapters = model_and_adapters
     engine = Engine(model, device="cuda", max_loras=4, max_lora_rank=16)  # dtype and lora_backend "auto"
-    assert engine.lora_backend_name == "triton" and engine.model.attn_backend == "triton"
-    assert engine.dtype == torch.bfloat16  # a float32 checkpoint is served in 16 bits on GPU
-    assert engine.kv.k_caches[0].is_cuda and engine.memory_plan is not None
-    assert engine.memory_plan.kv <= torch.cuda.mem_get_info()[1]
+    assert engine.core.lora_backend_name == "triton" and engine.core.runner.model.attn_backend == "triton"
+    assert engine.core.dtype == torch.bfloat16  # a float32 checkpoint is served in 16 bits on GPU
+    assert engine.core.runner.kv.k_caches[0].is_cuda and engine.core.memory_plan is not None
+    assert engine.core.memory_plan.kv <= torch.cuda.mem_get_info()[1]
     await engine.start()
     try:
         await engine.add_adapter("r16", adapters["r16"])

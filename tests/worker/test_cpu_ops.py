@@ -1,4 +1,4 @@
-"""The C++ small ops of a decoder layer (`model/cpu_attention.py`) against the torch code they replace."""
+"""The C++ small ops of a decoder layer (`ops/cpu_attention.py`) against the torch code they replace."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from lorafleet_worker.model import Transformer, cpu_attention
+from lorafleet_worker.model import Transformer
 from lorafleet_worker.model import transformer as transformer_mod
 from lorafleet_worker.model.rope import apply_rope, rope_cos_sin
 from lorafleet_worker.model.transformer import RMSNorm
+from lorafleet_worker.ops import cpu_attention
 
 from tests.worker.test_model import our_logprobs
 
@@ -97,9 +98,10 @@ def test_decode_fast_path_gives_the_bits_of_the_layer_forward(
     tiny_models: Any, monkeypatch: pytest.MonkeyPatch, arch: str, dtype: torch.dtype, linears: str
 ) -> None:
     """A decode-only CPU step runs the lean loop over `CpuDecodeLayer`s, with the same logits, bit for bit,
-    as `DecoderLayer.forward` (what instrumentation that turns `direct_linears` off times instead), whichever
+    as `DecoderLayer.forward` (what a profiler's `ForwardOps(direct=False)` times instead), whichever
     path serves the base GEMMs."""
-    from lorafleet_worker.model import cpu_gemm, cpu_linear
+    from lorafleet_worker.model import cpu_linear
+    from lorafleet_worker.ops import cpu_gemm
 
     if linears in ("panel", "split") and not cpu_gemm.available():
         pytest.skip("the panel GEMM does not build here")
@@ -116,7 +118,7 @@ def test_decode_fast_path_gives_the_bits_of_the_layer_forward(
     prompt = [5, 17, 42, 99, 3, 250, 7, 8, 311, 64, 12, 1, 77, 140, 33, 21, 9]
     fast = our_logprobs(model, prompt)
     assert len(calls) == 4  # the four one-token chunks of `our_logprobs`, the decode steps
-    monkeypatch.setattr(transformer_mod, "direct_linears", False)
+    model.set_ops(transformer_mod.ForwardOps(direct=False))
     generic = our_logprobs(model, prompt)
     assert len(calls) == 4
     assert torch.equal(fast, generic)

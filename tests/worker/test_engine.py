@@ -15,7 +15,7 @@ import pytest
 import torch
 from lorafleet_worker.core.engine import Engine
 from lorafleet_worker.lora.errors import AdapterError, AdapterNotFoundError
-from lorafleet_worker.sample.sampler import SamplingParams, TokenOutput
+from lorafleet_worker.sample.params import SamplingParams, TokenOutput
 
 PROMPTS = [[7], [5, 17, 42, 99, 3], [int(x) for x in torch.arange(30, 430, 10)]]  # 1, 5 and 40 tokens
 MAX_TOKENS = 6

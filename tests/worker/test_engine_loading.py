@@ -10,7 +10,7 @@ from typing import Any
 
 from lorafleet_worker.core.engine import Engine
 from lorafleet_worker.lora.adapter import LoRAAdapter
-from lorafleet_worker.sample.sampler import SamplingParams, TokenOutput
+from lorafleet_worker.sample.params import SamplingParams, TokenOutput
 
 PROMPT = [5, 17, 42, 99, 3]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from lorafleet_worker.core.engine import Engine
 from lorafleet_worker.lora.manager import AdapterRef
-from lorafleet_worker.sample.sampler import SamplingParams
+from lorafleet_worker.sample.params import SamplingParams
 
 # the fixtures come from test_engine (its engine factory, adapters and transformers + PEFT reference)
 from tests.worker.test_engine import (  # noqa: F401

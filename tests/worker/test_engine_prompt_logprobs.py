@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from lorafleet_worker.core.engine import Engine
-from lorafleet_worker.sample.sampler import SamplingParams, TokenOutput
+from lorafleet_worker.sample.params import SamplingParams, TokenOutput
 
 TOLERANCE = 1e-3
 

@@ -14,8 +14,8 @@ import torch
 from lorafleet_worker.core.engine import Engine
 from lorafleet_worker.core.memory import GiB, MemoryBudget, MemoryBudgetError, fmt_bytes, plan_memory
 from lorafleet_worker.host import devices
-from lorafleet_worker.model import cpu_attention
-from lorafleet_worker.sample.sampler import SamplingParams
+from lorafleet_worker.ops import cpu_attention
+from lorafleet_worker.sample.params import SamplingParams
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -105,15 +105,15 @@ def test_engine_logs_its_choices_and_sizes_the_kv_cache_from_the_budget(
 ) -> None:
     caplog.set_level(logging.INFO, logger="lorafleet_worker.core.engine")
     engine = Engine(tiny_models["llama"], max_loras=2, max_lora_rank=8, max_num_seqs=4, memory_budget="64MiB")
-    assert engine.dtype == torch.float32 and engine.lora_backend_name == "torch"  # fp32 checkpoint on CPU
+    assert engine.core.dtype == torch.float32 and engine.core.lora_backend_name == "torch"  # fp32 checkpoint on CPU
     # decode attention reads the KV blocks in place where the C++ loop builds; the log names the choice
-    assert engine.model.attn_backend == ("cpu" if cpu_attention.available() else "torch")
-    assert f"decode attention: {engine.model.attn_backend}" in caplog.text
+    assert engine.core.runner.model.attn_backend == ("cpu" if cpu_attention.available() else "torch")
+    assert f"decode attention: {engine.core.runner.model.attn_backend}" in caplog.text
     assert engine.max_model_len == engine.config.max_position_embeddings
-    plan = engine.memory_plan
+    plan = engine.core.memory_plan
     assert plan is not None and plan.budget == 64 << 20
-    assert engine.kv.num_blocks == plan.kv_blocks and engine.kv.nbytes == plan.kv
-    assert plan.weights == engine.model.weight_nbytes()  # packed weights (CPU) included
+    assert engine.core.runner.kv.num_blocks == plan.kv_blocks and engine.core.runner.kv.nbytes == plan.kv
+    assert plan.weights == engine.core.runner.model.weight_nbytes()  # packed weights (CPU) included
     assert engine.manager is not None and plan.lora == engine.manager.pool.nbytes
     assert plan.weights + plan.lora + plan.activations + plan.kv <= plan.budget
     assert plan.kv_blocks == 4 * engine.max_model_len // 16  # capped at what 4 sequences can use
@@ -159,6 +159,6 @@ async def test_garbage_in_the_uninitialised_kv_pool_never_reaches_attention(tiny
     opts: dict[str, Any] = {"max_loras": 0, "block_size": 4, "max_model_len": 64, "num_kv_blocks": 64}
     clean = await _greedy_batch(Engine(tiny_models["llama"], **opts), prompts)
     dirty_engine = Engine(shutil.copytree(tiny_models["llama"], tmp_path / "m"), **opts)
-    for t in (*dirty_engine.kv.k_caches, *dirty_engine.kv.v_caches):
+    for t in (*dirty_engine.core.runner.kv.k_caches, *dirty_engine.core.runner.kv.v_caches):
         t[1:].fill_(float("nan"))  # block 0 (table padding) is zeroed at start; the rest is what memory held
     assert await _greedy_batch(dirty_engine, prompts) == clean

@@ -17,7 +17,7 @@ import pytest
 from lorafleet_worker.api.inference import build_inference_app
 from lorafleet_worker.api.management import build_management_app
 from lorafleet_worker.core.errors import EngineUnavailableError
-from lorafleet_worker.sample.sampler import SamplingParams
+from lorafleet_worker.sample.params import SamplingParams
 from lorafleet_worker.service import WorkerService, WorkerSettings
 
 STALL_S = 0.5

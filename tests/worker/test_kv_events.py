@@ -15,7 +15,7 @@ from aiohttp.test_utils import unused_port
 from lorafleet_sync.ids import lora_id
 from lorafleet_worker.core.engine import Engine
 from lorafleet_worker.core.kv_events import END_SEQ, KVEventsConfig
-from lorafleet_worker.sample.sampler import SamplingParams
+from lorafleet_worker.sample.params import SamplingParams
 
 BLOCK = 4
 PARAMS = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)

@@ -1,5 +1,5 @@
-"""Prefix caching bookkeeping: the block pool (ref counts, hashes, LRU of cached free blocks) and the scheduler's
-lookups (adapter identity, the last token, prompt logprobs, preemption)."""
+"""Prefix caching bookkeeping: the block pool (ref counts, hashes, LRU of cached free blocks) and the KV cache
+manager's lookups as the scheduler admits requests (adapter identity, the last token, prompt logprobs, preemption)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ from typing import Any
 import pytest
 import torch
 from lorafleet_worker.config import ModelConfig
-from lorafleet_worker.core.kv_cache import ROOT_HASH, BlockPool, PagedKVCache, hash_block
-from lorafleet_worker.core.scheduler import Scheduler, SeqStatus, Sequence
+from lorafleet_worker.core.block_pool import ROOT_HASH, BlockPool, hash_block
+from lorafleet_worker.core.kv_cache_manager import KVCacheManager
+from lorafleet_worker.core.request import SeqStatus, Sequence
+from lorafleet_worker.core.scheduler import Output, Scheduler
+from lorafleet_worker.core.step import RunnerOutput, StepPlan
 from lorafleet_worker.lora.manager import AdapterManager
-from lorafleet_worker.sample.sampler import SamplingParams
+from lorafleet_worker.sample.params import SampledToken, SamplingParams, TokenOutput
 
 CPU = torch.device("cpu")
 BS = 4
@@ -100,29 +103,38 @@ def manager(config: ModelConfig, tiny_models: Any, tiny_adapter_factory: Any) ->
     return m
 
 
-def scheduler(config: ModelConfig, manager: Any = None, num_blocks: int = 32, **kw: Any) -> Scheduler:
-    kv = PagedKVCache(config, num_blocks=num_blocks, block_size=BS, device=CPU, dtype=torch.float32)
-    opts: dict[str, Any] = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_loras": 2}
+def scheduler(manager: Any = None, num_blocks: int = 32, *, enable_prefix_caching: bool = True, **kw: Any) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=enable_prefix_caching)
+    opts: dict[str, Any] = {"max_num_seqs": 8, "max_num_batched_tokens": 64}
     return Scheduler(kv, manager, **{**opts, **kw})
 
 
 def make_seq(rid: str, prompt: list[int], manager: Any = None, adapter: str | None = None, **params: Any) -> Sequence:
     ref = manager.acquire(adapter) if adapter else None
     p = SamplingParams(**{"max_tokens": 4, **params})
-    return Sequence(rid, list(prompt), len(prompt), p, len(prompt) + p.max_tokens, adapter, ref)
+    return Sequence.create(rid, prompt, p, max_len=len(prompt) + p.max_tokens, adapter=adapter, ref=ref)
+
+
+def step(sched: Scheduler, plan: StepPlan, tokens: dict[str, int] | None = None) -> list[Output]:
+    """The step's forward pass as the scheduler sees it: each chunk that generates samples `tokens[id]` (else 0)."""
+    tokens = tokens or {}
+    sampled = {
+        c.seq.request_id: SampledToken(tokens.get(c.seq.request_id, 0), 0.0, None) for c in plan.chunks if c.generates
+    }
+    return sched.update_from_output(plan, RunnerOutput(sampled=sampled))
 
 
 def run_to_end(sched: Scheduler, seq: Sequence) -> None:
     """Schedule and update until `seq` ends (every sampled token is 0)."""
-    sched.add(seq)
+    sched.add_request(seq)
     while seq.status is not SeqStatus.FINISHED:
-        plan = sched.schedule()
-        sched.update(plan, {c.seq: 0 for c in plan.chunks if c.samples and c.seq.params.max_tokens})
+        step(sched, sched.schedule())
 
 
 def first_chunk(sched: Scheduler, seq: Sequence) -> tuple[int, int]:
     """(tokens found in the cache, tokens scheduled) when `seq` is admitted."""
-    sched.add(seq)
+    if seq.request_id not in sched.requests:
+        sched.add_request(seq)
     plan = sched.schedule()
     chunk = next(c for c in plan.chunks if c.seq is seq)
     return seq.num_computed, chunk.num_tokens
@@ -131,63 +143,62 @@ def first_chunk(sched: Scheduler, seq: Sequence) -> tuple[int, int]:
 PROMPT = list(range(1, 15))  # 14 tokens: three full blocks and two tokens
 
 
-def test_update_owns_sequence_state_and_caches_filled_blocks(config: ModelConfig) -> None:
-    sched = scheduler(config, eos_token_ids=[7])
+def test_update_owns_sequence_state_and_caches_filled_blocks() -> None:
+    sched = scheduler(eos_token_ids=[7])
     seq = make_seq("s", PROMPT, max_tokens=3)
-    sched.add(seq)
-    plan = sched.schedule()
-    up = sched.update(plan, {seq: 5})
-    assert up.prompt_tokens == 14 and up.finished == {} and seq.num_computed == 14 and seq.tokens[-1] == 5
-    assert seq.num_cached_blocks == 3 and sched.kv.pool.num_cached == 3
-    up = sched.update(sched.schedule(), {seq: 7})  # eos
-    assert up.finished == {seq: "stop"} and seq.status is SeqStatus.FINISHED and seq.finish_reason == "stop"
-    assert sched.kv.pool.num_free == 32
+    sched.add_request(seq)
+    out = step(sched, sched.schedule(), {"s": 5})
+    assert out == [("s", TokenOutput(5, 0.0, None, None))]
+    assert sched.stats.prompt_tokens == 14 and seq.num_computed == 14 and seq.tokens[-1] == 5
+    assert sched.kv_cache.num_cached_blocks(seq) == 3 and sched.kv_cache.pool.num_cached == 3
+    out = step(sched, sched.schedule(), {"s": 7})  # eos
+    assert out == [("s", TokenOutput(7, 0.0, None, "stop"))]
+    assert seq.status is SeqStatus.FINISHED and seq.finish_reason == "stop" and sched.stats.requests_finished == 1
+    assert sched.kv_cache.num_free_blocks == 32
 
 
 def test_a_second_request_starts_from_the_cached_prefix_of_its_own_adapter_only(
     config: ModelConfig, manager: AdapterManager
 ) -> None:
-    sched = scheduler(config, manager)
+    sched = scheduler(manager)
     run_to_end(sched, make_seq("first", PROMPT, manager, "a"))
     assert first_chunk(sched, make_seq("same", PROMPT, manager, "a")) == (12, 2)
     assert first_chunk(sched, make_seq("other-adapter", PROMPT, manager, "b")) == (0, 14)
     assert first_chunk(sched, make_seq("base", PROMPT)) == (0, 14)
-    assert sched.prefix_cache_queries == 4 * 14 and sched.prefix_cache_hits == 12
+    assert sched.kv_cache.prefix_cache_queries == 4 * 14 and sched.kv_cache.prefix_cache_hits == 12
 
 
-def test_the_last_token_is_always_computed(config: ModelConfig) -> None:
-    sched = scheduler(config)
+def test_the_last_token_is_always_computed() -> None:
+    sched = scheduler()
     prompt = list(range(1, 13))  # exactly three blocks
     run_to_end(sched, make_seq("first", prompt))
     assert first_chunk(sched, make_seq("again", prompt)) == (8, 4)  # the third block is recomputed
 
 
-def test_prompt_logprobs_requests_compute_the_whole_prompt(config: ModelConfig) -> None:
-    sched = scheduler(config)
+def test_prompt_logprobs_requests_compute_the_whole_prompt() -> None:
+    sched = scheduler()
     run_to_end(sched, make_seq("first", PROMPT))
     assert first_chunk(sched, make_seq("echo", PROMPT, prompt_logprobs=0)) == (0, 14)
 
 
-def test_disabled_caching_finds_nothing(config: ModelConfig) -> None:
-    sched = scheduler(config, enable_prefix_caching=False)
+def test_disabled_caching_finds_nothing() -> None:
+    sched = scheduler(enable_prefix_caching=False)
     run_to_end(sched, make_seq("first", PROMPT))
     assert first_chunk(sched, make_seq("again", PROMPT)) == (0, 14)
-    assert sched.kv.pool.num_cached == 0 and sched.prefix_cache_queries == 0
+    assert sched.kv_cache.pool.num_cached == 0 and sched.kv_cache.prefix_cache_queries == 0
 
 
-def test_a_preempted_sequence_finds_its_blocks_again(config: ModelConfig) -> None:
-    sched = scheduler(config, num_blocks=8)
+def test_a_preempted_sequence_finds_its_blocks_again() -> None:
+    sched = scheduler(num_blocks=8)
     sched.watermark_blocks = 0
     old, new = make_seq("old", list(range(1, 17)), max_tokens=40), make_seq("new", list(range(50, 62)), max_tokens=40)
-    sched.add(old)
-    sched.add(new)
-    plan = sched.schedule()  # 4 + 3 blocks
-    sched.update(plan, {old: 0, new: 0})
-    assert new.num_cached_blocks == 3
+    sched.add_request(old)
+    sched.add_request(new)
+    step(sched, sched.schedule())  # 4 + 3 blocks
+    assert sched.kv_cache.num_cached_blocks(new) == 3
     while new.status is SeqStatus.RUNNING:  # old grows until new is preempted
-        plan = sched.schedule()
-        sched.update(plan, {c.seq: 0 for c in plan.chunks if c.samples})
+        step(sched, sched.schedule())
     assert sched.num_preemptions == 1 and new.num_computed == 0
-    sched.finish(old, "stop")
+    sched.finish_requests(["old"], "stop")
     computed, scheduled = first_chunk(sched, new)
     assert computed >= 12 and computed + scheduled == len(new.tokens)  # the prompt's blocks were kept

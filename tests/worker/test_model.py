@@ -13,10 +13,13 @@ import torch
 from lorafleet_worker.config import ModelConfig, ModelConfigError
 from lorafleet_worker.core.batch_builder import build_forward_batch
 from lorafleet_worker.core.kv_cache import PagedKVCache
-from lorafleet_worker.core.scheduler import ScheduledChunk, Sequence, StepPlan
-from lorafleet_worker.devtools import make_tiny_model
-from lorafleet_worker.model import Transformer, cpu_attention
-from lorafleet_worker.sample.sampler import SamplingParams
+from lorafleet_worker.core.kv_cache_manager import KVCacheManager
+from lorafleet_worker.core.request import Sequence
+from lorafleet_worker.core.step import ScheduledChunk, StepPlan
+from lorafleet_worker_dev.tiny import make_tiny_model
+from lorafleet_worker.model import Transformer
+from lorafleet_worker.ops import cpu_attention
+from lorafleet_worker.sample.params import SamplingParams
 from safetensors.torch import load_file, save_file
 
 CPU = torch.device("cpu")
@@ -36,11 +39,14 @@ def our_logprobs(model: Transformer, ids: list[int], chunks: list[int] = CHUNKS,
     """Run `ids` through the paged forward pass chunk by chunk; log-probs of every position."""
     assert sum(chunks) == len(ids)
     kv = PagedKVCache(model.config, num_blocks=16, block_size=block_size, device=model.device, dtype=model.dtype)
-    seq = Sequence("r", list(ids), len(ids), SamplingParams(), max_len=len(ids) + 1)
+    blocks = KVCacheManager(16, block_size)
+    seq = Sequence.create("r", ids, SamplingParams(), max_len=len(ids) + 1)
     rows = []
     for n in chunks:
-        assert kv.grow(seq.blocks, seq.num_computed + n)
-        batch, _ = build_forward_batch(StepPlan([ScheduledChunk(seq, n)], int(n == 1)), block_size, model.device)
+        assert blocks.allocate(seq, seq.num_computed + n)
+        kv.zero(blocks.take_new_blocks())
+        chunk = ScheduledChunk(seq, n, blocks.block_ids(seq))
+        batch, _ = build_forward_batch(StepPlan([chunk], int(n == 1)), block_size, model.device)
         batch.logits_indices = torch.arange(n)
         rows.append(model(batch, kv))
         seq.num_computed += n

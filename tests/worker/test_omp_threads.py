@@ -21,7 +21,7 @@ import asyncio, json, sys
 import torch
 import lorafleet_worker.core.engine as engine_mod
 from lorafleet_worker.host import omp_threads
-from lorafleet_worker.sample.sampler import SamplingParams
+from lorafleet_worker.sample.params import SamplingParams
 
 model_dir, adapter_dir, undisciplined = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 if undisciplined:

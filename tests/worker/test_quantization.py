@@ -17,7 +17,7 @@ import torch
 from lorafleet_worker.core.engine import Engine
 from lorafleet_worker.model import quantization
 from lorafleet_worker.model.quantization import INT4_GROUP, quantize
-from lorafleet_worker.sample.sampler import SamplingParams
+from lorafleet_worker.sample.params import SamplingParams
 from torch import nn
 
 from tests.worker.test_cpu_gemm import int8_blocks
@@ -136,8 +136,8 @@ async def test_engine_matches_peft_on_the_dequantized_weights(
     w8a8 = method == "w8a8_int8"
     engine = Engine(model_dir, dtype="float32", max_loras=2, block_size=4, max_model_len=128, num_kv_blocks=128,
                     quantization=method, max_num_seqs=1 if w8a8 else 64)  # fmt: skip
-    assert len(engine.model.packed_weights()) == 4 * engine.config.num_hidden_layers + 1
-    assert engine.model.layers[0].qkv_w.numel() == 0  # the dense copy is released
+    assert len(engine.core.runner.model.packed_weights()) == 4 * engine.config.num_hidden_layers + 1
+    assert engine.core.runner.model.layers[0].qkv_w.numel() == 0  # the dense copy is released
     await engine.start()
     try:
         for name, path in adapters.items():
@@ -150,7 +150,7 @@ async def test_engine_matches_peft_on_the_dequantized_weights(
 
         results = await asyncio.wait_for(asyncio.gather(*(run(i, p, a) for i, (p, a) in enumerate(jobs))), 120)
         assert engine.stats.max_adapters_in_step == (1 if w8a8 else len(adapters))  # else one mixed batch
-        hf = hf_with_weights_of(model_dir, engine.model)
+        hf = hf_with_weights_of(model_dir, engine.core.runner.model)
     finally:
         await engine.stop()
     names = list(adapters)
@@ -195,7 +195,7 @@ async def test_the_worker_serves_the_quantized_weights(tiny_models: Any) -> None
     service = WorkerService(settings)
     await service.start()
     try:
-        model = service.engine.model
+        model = service.engine.core.runner.model
         assert all(isinstance(p, QuantizedWeight) and p.method == "int8" for p in model.layers[0].packed.values())
         assert isinstance(model.packed_head, QuantizedWeight)
     finally:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lorafleet_worker.model import cpu_attention
-from lorafleet_worker.sample.sampler import SampledToken, SamplingParams, SamplingState, make_generator
+from lorafleet_worker.ops import cpu_attention
+from lorafleet_worker.sample.params import SampledToken, SamplingParams
+from lorafleet_worker.sample.sampler import SamplingState, make_generator
 from lorafleet_worker.sample.sampler import sample as sample_states
 
 CPU = torch.device("cpu")

@@ -8,14 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lorafleet_worker.sample.sampler import (
-    SamplingParams,
-    SamplingState,
-    filter_min_p,
-    make_generator,
-    process_logits,
-    sample,
-)
+from lorafleet_worker.sample.params import SamplingParams
+from lorafleet_worker.sample.sampler import SamplingState, filter_min_p, make_generator, process_logits, sample
 from transformers import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,

@@ -11,9 +11,18 @@ import pytest
 import torch
 from lorafleet_worker.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from lorafleet_worker.api.validation import structured_output, tool_plan
-from lorafleet_worker.sample.sampler import SamplingParams, SamplingState, sample
-from lorafleet_worker.structured.grammar import GrammarCompiler, GrammarError, GrammarSpec
-from lorafleet_worker.structured.masks import GrammarMasks
+from lorafleet_worker.sample.params import SamplingParams
+from lorafleet_worker.sample.sampler import SamplingState, sample
+from lorafleet_worker.structured.grammar import (
+    Choice,
+    Grammar,
+    GrammarCompiler,
+    GrammarError,
+    JsonObject,
+    JsonSchema,
+    Regex,
+)
+from lorafleet_worker.structured.manager import StructuredOutputManager
 from lorafleet_worker.structured.tool_calls import (
     HermesParser,
     Llama3JsonParser,
@@ -63,21 +72,21 @@ def test_an_unsupported_schema_names_the_field_and_the_schema_path(
     compiler: GrammarCompiler, schema: dict[str, Any], pointer: str
 ) -> None:
     with pytest.raises(GrammarError) as err:
-        compiler.compile(GrammarSpec.json_schema(schema, "response_format.json_schema.schema"))
+        compiler.compile(JsonSchema.of(schema, "response_format.json_schema.schema"))
     assert err.value.param == "response_format.json_schema.schema"
     assert str(err.value).startswith("response_format.json_schema.schema: ")
     assert pointer in str(err.value)
 
 
 def test_compiled_grammars_are_cached_and_each_sequence_gets_its_own_state(compiler: GrammarCompiler) -> None:
-    spec = GrammarSpec("regex", "[0-9]{3}", "guided_regex")
+    spec = Regex("[0-9]{3}", "guided_regex")
     before = compiler.stats.compiles
     first, second = compiler.compile(spec), compiler.compile(spec)
     assert first is second and compiler.stats.compiles == before + 1 and compiler.stats.cache_hits >= 1
     a, b = first.matcher(), first.matcher()
     for token in compiler.tokenizer.tokenize_str("123"):
-        a.accept(token)
-    assert a.finished and not b.finished
+        assert a.consume_token(token)
+    assert a.is_stopped() and not b.is_stopped()
 
 
 def test_masks_force_the_grammar_and_allow_eos_only_when_it_accepts(compiler: GrammarCompiler, model_dir: Path) -> None:
@@ -85,30 +94,31 @@ def test_masks_force_the_grammar_and_allow_eos_only_when_it_accepts(compiler: Gr
     same batch is untouched; EOS is masked until the grammar can end."""
     tok = Tokenizer.from_dir(model_dir)
     vocab = compiler.tokenizer.vocab_size
-    grammar = compiler.compile(GrammarSpec.choice(["yes", "no way"], "guided_choice"))
-    masks = GrammarMasks(vocab)
-    constrained = SamplingState(SamplingParams(temperature=1.0), constraint=grammar.matcher())
+    structured = StructuredOutputManager(model_dir, vocab_size=vocab, eos_token_ids=compiler.tokenizer.eos_tokens)
+    grammar = structured.compile(Choice.of(["yes", "no way"], "guided_choice"))
+    structured.add_request("constrained", grammar)
+    constrained = SamplingState(SamplingParams(temperature=1.0))
     free = SamplingState(SamplingParams(temperature=0))
     eos = compiler.tokenizer.eos_tokens
     out: list[int] = []
     gen = torch.Generator().manual_seed(0)
     for _ in range(12):
         logits = torch.randn(2, vocab, generator=gen)
-        allowed = masks.start([constrained, free]).wait(torch.device("cpu"))
+        allowed = structured.start_masks(["constrained", "free"]).wait(torch.device("cpu"))
         assert allowed is not None and bool(allowed[1].all())
-        if not constrained.finished:
+        if not structured.finished("constrained"):
             assert any(bool(allowed[0, e]) for e in eos) == (tok.decode(out) in ("yes", "no way"))
         picks = sample(logits, [constrained, free], allowed)
         assert picks[1].token_id == int(logits[1].argmax())
-        constrained.accept(picks[0].token_id)
-        free.accept(picks[1].token_id)
+        structured.accept("constrained", picks[0].token_id)
+        structured.accept("free", picks[1].token_id)  # a free request has no matcher: nothing happens
         if picks[0].token_id in eos:
             break
         out.append(picks[0].token_id)
-        if constrained.finished:
+        if structured.finished("constrained"):
             break
-    assert tok.decode(out) in ("yes", "no way")
-    masks.close()
+    assert tok.decode(out) in ("yes", "no way") and not structured.finished("free")
+    structured.close()
 
 
 # --- request validation ------------------------------------------------------------------------------
@@ -123,24 +133,24 @@ def _chat(**fields: Any) -> ChatCompletionRequest:
 @pytest.mark.parametrize(
     ("fields", "kind", "param"),
     [
-        ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
+        ({"response_format": {"type": "json_object"}}, JsonObject, "response_format"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
-            "json_schema",
+            JsonSchema,
             "response_format.json_schema.schema",
         ),
-        ({"guided_json": '{"type": "integer"}'}, "json_schema", "guided_json"),
-        ({"guided_regex": "[a-z]+"}, "regex", "guided_regex"),
-        ({"guided_choice": ["a", "b"]}, "choice", "guided_choice"),
-        ({"guided_grammar": 'start: "x"'}, "grammar", "guided_grammar"),
-        ({"structured_outputs": {"choice": ["a"]}}, "choice", "structured_outputs.choice"),
-        ({"structured_outputs": {"json": {"type": "object"}}}, "json_schema", "structured_outputs.json"),
+        ({"guided_json": '{"type": "integer"}'}, JsonSchema, "guided_json"),
+        ({"guided_regex": "[a-z]+"}, Regex, "guided_regex"),
+        ({"guided_choice": ["a", "b"]}, Choice, "guided_choice"),
+        ({"guided_grammar": 'start: "x"'}, Grammar, "guided_grammar"),
+        ({"structured_outputs": {"choice": ["a"]}}, Choice, "structured_outputs.choice"),
+        ({"structured_outputs": {"json": {"type": "object"}}}, JsonSchema, "structured_outputs.json"),
         ({"response_format": {"type": "text"}}, None, None),
     ],
 )
-def test_each_constraint_field_becomes_one_grammar(fields: dict[str, Any], kind: str | None, param: str) -> None:
+def test_each_constraint_field_becomes_one_grammar(fields: dict[str, Any], kind: type | None, param: str) -> None:
     spec = structured_output(_chat(**fields))
-    assert (spec and spec.kind, spec and spec.param) == (kind, param)
+    assert (type(spec) if spec else None, spec and spec.param) == (kind, param)
 
 
 @pytest.mark.parametrize(
@@ -162,7 +172,7 @@ def test_conflicting_or_malformed_constraints_are_refused_naming_the_field(field
 def test_completions_take_the_same_constraint_fields() -> None:
     body = CompletionRequest.model_validate({"model": "m", "prompt": "x", "response_format": {"type": "json_object"}})
     spec = structured_output(body)
-    assert spec is not None and spec.kind == "json_object"
+    assert isinstance(spec, JsonObject)
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,8 @@ from lorafleet_worker.tokenizer import IncrementalDetokenizer, StopStringMatcher
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from lorafleet_worker.sample.sampler import SamplingParams, TokenConstraint, TokenOutput
+    from lorafleet_worker.sample.params import SamplingParams, TokenOutput
+    from lorafleet_worker.structured.grammar import CompiledGrammar
 
 
 class ClientDisconnected(Exception):
@@ -70,9 +71,9 @@ class Generation:
         params: SamplingParams,
         stop: list[str],
         disconnected: Callable[[], Awaitable[Any]] | None = None,
-        constraint: Callable[[], TokenConstraint] | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> None:
-        """`constraint` makes this request's grammar state (structured output), one per generation."""
+        """`grammar`: the compiled structured-output constraint this generation follows (its own state)."""
         self.request_id = new_request_id("req")
         self.model = model
         self.prompt_ids = prompt_ids
@@ -84,12 +85,12 @@ class Generation:
         self._stops = StopStringMatcher(stop)
         self._min_tokens = params.min_tokens  # stop strings are not looked for in these tokens' text (as vLLM)
         self.prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None
-        self._silent_ids = set(params.stop_token_ids) | set(service.engine.config.eos_token_ids)
+        self._silent_ids = set(params.stop_token_ids) | set(service.eos_token_ids)
         self._text_len = 0
         self._t0 = time.monotonic()
         self._last_token_at: float | None = None
         self._submit = (prompt_ids, params, adapter)
-        self._constraint = constraint
+        self._grammar = grammar
         self._it: AsyncIterator[TokenOutput] | None = None
         self._first: TokenOutput | None = None
         self._disconnected = disconnected
@@ -104,10 +105,7 @@ class Generation:
 
         prompt_ids, params, adapter = self._submit
         try:
-            constraint = None if self._constraint is None else self._constraint()
-            self._it = self._service.engine.generate(
-                self.request_id, prompt_ids, params, adapter, constraint=constraint
-            )
+            self._it = self._service.generate(self.request_id, prompt_ids, params, adapter, self._grammar)
         except AdapterNotFoundError as e:
             raise APIError(
                 404, f"The model `{self.model}` does not exist.", param="model", code="model_not_found"
@@ -190,7 +188,7 @@ class Generation:
         """The client went away: the token stream raises ClientDisconnected at its next read (`Engine.interrupt`),
         so that `_next` awaits the stream alone (no task and no `asyncio.wait` per token)."""
         if not watcher.cancelled() and self._it is not None:
-            self._service.engine.interrupt(self.request_id, ClientDisconnected(self.request_id))
+            self._service.interrupt(self.request_id, ClientDisconnected(self.request_id))
 
     async def _next(self) -> TokenOutput | None:
         """The next engine output (None at the end); raises ClientDisconnected if the client left first."""

@@ -29,7 +29,7 @@ from lorafleet_worker.api.protocol import (
 from lorafleet_worker.api.shapers import ChatShaper, Choice, CompletionShaper
 from lorafleet_worker.api.validation import prompt_ids, sampling_params, structured_output, tool_plan
 from lorafleet_worker.service import WorkerService, path_to_uri
-from lorafleet_worker.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec
+from lorafleet_worker.structured.grammar import CompiledGrammar, Constraint, GrammarError
 from lorafleet_worker.tokenizer import TokenizerError
 
 log = logging.getLogger(__name__)
@@ -41,29 +41,14 @@ Shaper = CompletionShaper | ChatShaper
 # --- request -> engine ------------------------------------------------------------------------------
 
 
-class _Grammars:
-    """The worker's grammar compiler, built on first use (llguidance reads tokenizer.json: ~0.5 s)."""
-
-    def __init__(self, service: WorkerService) -> None:
-        self._service = service
-        self._compiler: GrammarCompiler | None = None
-        self._lock = asyncio.Lock()
-
-    async def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """Compile off the event loop; an unusable grammar is a 400 naming its field."""
-        async with self._lock:
-            if self._compiler is None:
-                config = self._service.engine.config
-                self._compiler = await asyncio.to_thread(
-                    GrammarCompiler.from_model_dir,
-                    self._service.settings.model_dir,
-                    vocab_size=config.vocab_size,
-                    eos_token_ids=config.eos_token_ids,
-                )
-        try:
-            return await asyncio.to_thread(self._compiler.compile, spec)
-        except GrammarError as e:
-            raise APIError(400, str(e), param=e.param) from e
+async def _compile(service: WorkerService, constraint: Constraint | None) -> CompiledGrammar | None:
+    """The request's compiled constraint (off the event loop, cached); an unusable one is a 400 naming its field."""
+    if constraint is None:
+        return None
+    try:
+        return await service.compile_grammar(constraint)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=e.param) from e
 
 
 async def _start_choices(
@@ -87,7 +72,7 @@ async def _start_choices(
             body,
             prompt_len=len(ids),
             max_model_len=service.max_model_len,
-            vocab_size=service.engine.config.vocab_size,
+            vocab_size=service.vocab_size,
             max_tokens=max_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -103,7 +88,7 @@ async def _start_choices(
                     params=choice_params,
                     stop=body.stop_strings(),
                     disconnected=lambda: wait_for_disconnect(request),
-                    constraint=None if grammar is None else grammar.matcher,
+                    grammar=grammar,
                 )
             )
     results = await asyncio.gather(*(g.start() for g in gens), return_exceptions=True)
@@ -218,17 +203,16 @@ def build_inference_app(service: WorkerService) -> FastAPI:
     app = FastAPI(title="lorafleet worker (OpenAI-compatible API)", docs_url=None, redoc_url=None)
     install_error_handlers(app, openai_error_body)
     add_probe_routes(app, service)
-    grammars = _Grammars(service)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         body.check_supported()
         spec = structured_output(body)
         prompts = body.prompts()
-        vocab = service.engine.config.vocab_size
+        vocab = service.vocab_size
         ids = [prompt_ids(service.tokenizer.encode, p, vocab) for p in prompts]
         scored = body.echo and body.logprobs is not None  # echo with logprobs scores the prompt (vLLM)
-        grammar = None if spec is None else await grammars.compile(spec)
+        grammar = await _compile(service, spec)
         choices = await _start_choices(
             service, request, body, ids, body.max_tokens, body.logprobs, body.logprobs if scored else None, grammar
         )
@@ -263,7 +247,7 @@ def build_inference_app(service: WorkerService) -> FastAPI:
             raise APIError(400, str(e), param="messages") from e
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        grammar = None if spec is None else await grammars.compile(spec)
+        grammar = await _compile(service, spec)
         choices = await _start_choices(service, request, body, [ids], max_tokens, top, grammar=grammar)
         shaper = ChatShaper(
             service.tokenizer,

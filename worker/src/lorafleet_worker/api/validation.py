@@ -17,8 +17,17 @@ from lorafleet_worker.api.protocol import (
     NamedToolChoice,
     _SamplingBody,
 )
-from lorafleet_worker.sample.sampler import SamplingParams
-from lorafleet_worker.structured.grammar import GrammarError, GrammarSpec
+from lorafleet_worker.sample.params import SamplingParams
+from lorafleet_worker.structured.grammar import (
+    Choice,
+    Constraint,
+    Grammar,
+    GrammarError,
+    JsonObject,
+    JsonSchema,
+    Regex,
+    ToolCalls,
+)
 from lorafleet_worker.structured.tool_calls import (
     NamedParser,
     RequiredParser,
@@ -89,19 +98,19 @@ def sampling_params(
     return params
 
 
-def structured_output(body: _SamplingBody) -> GrammarSpec | None:
+def structured_output(body: _SamplingBody) -> Constraint | None:
     """The grammar `body` asks for: response_format, structured_outputs or a guided_* field (at most one)."""
-    specs: list[GrammarSpec] = []
+    specs: list[Constraint] = []
     try:
         rf = body.response_format
         if rf is not None and rf.type == "json_object":
-            specs.append(GrammarSpec("json_object", "", "response_format"))
+            specs.append(JsonObject("response_format"))
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None:
                 raise APIError(
                     400, "response_format.json_schema is required with type json_schema", param="response_format"
                 )
-            specs.append(GrammarSpec.json_schema(rf.json_schema.schema_, "response_format.json_schema.schema"))
+            specs.append(JsonSchema.of(rf.json_schema.schema_, "response_format.json_schema.schema"))
         so = body.structured_outputs
         if so is not None:
             given = [k for k in ("json_", "regex", "choice", "grammar", "json_object") if getattr(so, k)]
@@ -114,21 +123,21 @@ def structured_output(body: _SamplingBody) -> GrammarSpec | None:
             kind = given[0]
             param = f"structured_outputs.{kind.rstrip('_')}"
             if kind == "json_":
-                specs.append(GrammarSpec.json_schema(so.json_, param))
+                specs.append(JsonSchema.of(so.json_, param))
             elif kind == "choice":
-                specs.append(GrammarSpec.choice(so.choice or [], param))
+                specs.append(Choice.of(so.choice or [], param))
             elif kind == "json_object":
-                specs.append(GrammarSpec("json_object", "", param))
+                specs.append(JsonObject(param))
             else:
-                specs.append(GrammarSpec("regex" if kind == "regex" else "grammar", getattr(so, kind), param))
+                specs.append((Regex if kind == "regex" else Grammar)(getattr(so, kind), param))
         if body.guided_json is not None:
-            specs.append(GrammarSpec.json_schema(body.guided_json, "guided_json"))
+            specs.append(JsonSchema.of(body.guided_json, "guided_json"))
         if body.guided_regex is not None:
-            specs.append(GrammarSpec("regex", body.guided_regex, "guided_regex"))
+            specs.append(Regex(body.guided_regex, "guided_regex"))
         if body.guided_choice is not None:
-            specs.append(GrammarSpec.choice(body.guided_choice, "guided_choice"))
+            specs.append(Choice.of(body.guided_choice, "guided_choice"))
         if body.guided_grammar is not None:
-            specs.append(GrammarSpec("grammar", body.guided_grammar, "guided_grammar"))
+            specs.append(Grammar(body.guided_grammar, "guided_grammar"))
     except GrammarError as e:
         raise APIError(400, str(e), param=e.param) from e
     if len(specs) > 1:
@@ -151,7 +160,7 @@ class ToolPlan:
     mode: ToolMode
     tools: list[dict[str, Any]]
     parser: ToolCallParser | None = None
-    grammar: GrammarSpec | None = None
+    grammar: Constraint | None = None
     parallel: bool = True  # False: only the first call is returned
 
 
@@ -205,11 +214,11 @@ def tool_plan(body: ChatCompletionRequest, *, auto_tool_choice: bool, parser_nam
         return ToolPlan("auto", dumped, make_parser(parser_name), parallel=body.parallel_tool_calls)
     if choice == "required":
         schema = _required_schema(tools, body.parallel_tool_calls)
-        return ToolPlan("required", dumped, RequiredParser(), GrammarSpec.json_schema(schema, "tools"))
+        return ToolPlan("required", dumped, RequiredParser(), ToolCalls.of(schema, "tools"))
     assert isinstance(choice, NamedToolChoice)
     named = next((t for t in tools if t.function.name == choice.function.name), None)
     if named is None:
         raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice")
     i = tools.index(named)
-    spec = GrammarSpec.json_schema(_function_schema(named), f"tools[{i}].function.parameters")
+    spec = ToolCalls.of(_function_schema(named), f"tools[{i}].function.parameters")
     return ToolPlan("named", dumped, NamedParser(named.function.name), spec)

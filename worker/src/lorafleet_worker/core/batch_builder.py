@@ -1,4 +1,4 @@
-"""The model inputs of one step: a scheduler `StepPlan` turned into a `ForwardBatch` on the model's device."""
+"""Builds the model inputs of one step: a scheduler `StepPlan` turned into a `ForwardBatch` on the model's device."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from lorafleet_worker.core.kv_cache import block_table_tensor
-from lorafleet_worker.core.scheduler import StepPlan
+from lorafleet_worker.core.step import StepPlan
 from lorafleet_worker.model.forward_batch import ForwardBatch, PrefillSeq
 
 
@@ -25,7 +25,7 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     logits_rows: list[int] = []
     for c in plan.chunks:
         seq, n, start = c.seq, c.num_tokens, c.seq.num_computed
-        blocks, span = seq.blocks, range(start, start + n)
+        blocks, span = c.blocks, range(start, start + n)
         starts.append(len(input_ids))
         input_ids.extend(seq.tokens[start : start + n])
         positions.extend(span)
@@ -35,7 +35,7 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
         if c.samples:
             logits_rows.append(len(input_ids) - 1)
     nd = plan.num_decode
-    tables = block_table_tensor([c.seq.blocks for c in plan.chunks], device)
+    tables = block_table_tensor([c.blocks for c in plan.chunks], device)
     prefills = []
     for i in range(nd, len(plan.chunks)):
         c = plan.chunks[i]

@@ -1,8 +1,9 @@
-"""Engine: the async API (`generate`, adapters) over a step loop running in its own thread.
+"""Engine: the bridge between the asyncio side (`generate`, `abort`, adapters) and the step loop, which runs
+in its own thread.
 
-The step loop owns the scheduler, the KV cache and the model: it takes new requests and aborts
-from a locked inbox, schedules one step, runs the forward pass and sampling, and hands each
-request's tokens to its asyncio queue with `loop.call_soon_threadsafe`. Torch work never runs
+The step loop takes new requests and aborts from a locked inbox, hands them to the scheduler, has it
+schedule one step, runs the step (engine_core.py: the model runner, then the scheduler's update) and
+hands each request's outputs to its asyncio queue with `loop.call_soon_threadsafe`. Torch work never runs
 on the event loop.
 """
 
@@ -14,106 +15,26 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import Tensor
 
 from lorafleet_worker.config import ModelConfig
-from lorafleet_worker.core.batch_builder import build_forward_batch
+from lorafleet_worker.core.engine_core import EngineCore
 from lorafleet_worker.core.errors import EngineUnavailableError
-from lorafleet_worker.core.kv_cache import PagedKVCache
-from lorafleet_worker.core.kv_events import KVEventsConfig, KVEventStream
-from lorafleet_worker.core.memory import (
-    MemoryBudget,
-    MemoryPlan,
-    activation_bytes,
-    free_device_memory,
-    plan_memory,
-    weight_bytes,
-)
-from lorafleet_worker.core.scheduler import Scheduler, SeqStatus, Sequence, StepPlan
-from lorafleet_worker.host.devices import resolve_dtype, resolve_lora_backend
+from lorafleet_worker.core.request import Sequence
+from lorafleet_worker.core.scheduler import Output, SchedulerStats
+from lorafleet_worker.core.step import StepPlan
 from lorafleet_worker.host.omp_threads import on_fresh_thread, serial, size_team
-from lorafleet_worker.lora.backend import LoRABackend, get_backend
 from lorafleet_worker.lora.errors import AdapterNotFoundError, CapacityError
 from lorafleet_worker.lora.manager import AdapterManager
-from lorafleet_worker.model import LoRAContext, Transformer, cpu_attention, cpu_linear, parse_dtype
-from lorafleet_worker.model.quantization import check_supported as check_quantization
-from lorafleet_worker.sample.sampler import (
-    SamplingParams,
-    SamplingState,
-    TokenConstraint,
-    TokenOutput,
-    prompt_logprobs,
-    sample,
-)
-from lorafleet_worker.structured.masks import GrammarMasks
+from lorafleet_worker.sample.params import SamplingParams, TokenOutput
+from lorafleet_worker.structured.grammar import CompiledGrammar, Constraint
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.05  # wake-up period while work waits on something other than a new request
-
-
-@dataclass
-class EngineStats:
-    """Counters of the step loop (read by metrics and tests; written only by the step thread)."""
-
-    steps: int = 0
-    max_adapters_in_step: int = 0  # never above max_loras
-    max_seqs_in_step: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    num_waiting_for_slot: int = 0
-    prompt_tokens: int = 0  # prompt tokens computed (recomputation after preemption included)
-    generation_tokens: int = 0
-    requests_finished: int = 0
-    requests_aborted: int = 0
-    preemptions: int = 0
-    kv_blocks_total: int = 0
-    kv_blocks_free: int = 0  # cached blocks that no request holds count as free (vLLM's meaning)
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens found there
-    running_adapters: tuple[str, ...] = ()  # adapters of the running / waiting requests (vLLM's LoRA info)
-    waiting_adapters: tuple[str, ...] = ()
-    updated_at: float = 0.0  # wall-clock time of the last update
-
-
-def _check_device(device: torch.device, lora_backend: str) -> None:
-    """Clear errors for a device that is not there and for Triton without CUDA (unless interpreted)."""
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but no CUDA GPU is available; use --device cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported device {device.type!r}; choose cpu or cuda")
-    if lora_backend == "triton" and device.type != "cuda":
-        from lorafleet_worker.kernels import interpreting
-
-        if not interpreting():
-            raise ValueError("the triton LoRA backend needs --device cuda (or TRITON_INTERPRET=1 for tests)")
-
-
-def _attention_backend(lora_backend: str, device: torch.device) -> str:
-    """The paged decode attention: the Triton kernel goes with the Triton LoRA backend (on CUDA, or
-    interpreted in tests); on CPU the C++ loop that reads KV blocks in place where it builds, else torch."""
-    if lora_backend == "triton":
-        return "triton"
-    if device.type == "cpu" and cpu_attention.available():
-        return "cpu"
-    return "torch"
-
-
-def _max_model_len(config: ModelConfig, requested: int | None) -> int:
-    """`requested`, else the model's max_position_embeddings; above it is an error (as in vLLM)."""
-    limit = config.max_position_embeddings
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise ValueError(
-            f"--max-model-len {requested} is larger than the model's max_position_embeddings ({limit}, "
-            "config.json): positions beyond it were never trained; lower --max-model-len"
-        )
-    return requested
 
 
 class _Request:
@@ -129,108 +50,16 @@ class Engine:
     # every torch op of the setup runs on a thread that ends with it, so that its OpenMP pool does not outlive
     # it and throttle the step loop's (omp_threads.py)
     @on_fresh_thread
-    def __init__(
-        self,
-        model_dir: Path,
-        *,
-        device: str = "cpu",
-        dtype: str = "auto",
-        max_loras: int = 8,
-        max_cpu_loras: int = 64,
-        max_lora_rank: int = 64,
-        max_adapters: int | None = None,
-        max_num_seqs: int = 64,
-        max_model_len: int | None = None,
-        lora_backend: str = "auto",
-        memory_budget: str | float | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        slot_aging_s: float = 1.0,
-        enable_prefix_caching: bool = True,
-        kv_events: KVEventsConfig | None = None,
-        quantization: str | None = None,
-    ) -> None:
-        """`dtype` / `lora_backend` "auto": see devices.py; `memory_budget` (a fraction or a size, see
-        memory.py) sizes the KV cache unless `num_kv_blocks` is given; `enable_prefix_caching`: see scheduler.py;
-        `kv_events`: publish the prefix cache's KV events (kv_events.py); `quantization`: weight-only int8 /
-        int4 base linears (model/quantization.py), counted as such by the memory plan."""
+    def __init__(self, model_dir: Path, **settings: Any) -> None:
+        """`settings`: the parts' settings (engine_core.EngineCore)."""
         size_team()
-        self.model_dir = Path(model_dir)
-        self.config = ModelConfig.from_dir(self.model_dir)
-        self.device = torch.device(device)
-        if max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be at least 1")
-        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be at least 1")
-        self.max_model_len = _max_model_len(self.config, max_model_len)
-        budget = MemoryBudget.parse(memory_budget) if memory_budget is not None else MemoryBudget()
-        _check_device(self.device, lora_backend)
-        dtype_name, why_dtype = resolve_dtype(dtype, self.config.torch_dtype, self.device)
-        backend_name, why_backend = resolve_lora_backend(lora_backend, self.device)
-        self.dtype = parse_dtype(dtype_name)
-        if quantization is not None:
-            check_quantization(quantization, self.device, self.dtype)
-        self.quantization = quantization
-        log.info("dtype %s: %s; LoRA backend %s: %s", dtype_name, why_dtype, backend_name, why_backend)
-        self.lora_backend_name = backend_name
-        max_num_batched_tokens = max_num_batched_tokens or max(2048, max_num_seqs)
-        free_at_start = free_device_memory(self.device)  # CUDA: before the LoRA slots and weights take theirs
-        self.max_loras = max_loras
-        self.manager: AdapterManager | None = None
-        self.lora_backend: LoRABackend | None = None
-        if max_loras > 0:  # the slot pool is allocated before the KV cache takes what is left
-            self.manager = AdapterManager(
-                self.config,
-                max_loras=max_loras,
-                max_cpu_loras=max_cpu_loras,
-                max_lora_rank=max_lora_rank,
-                max_adapters=max_adapters,
-                device=self.device,
-                dtype=self.dtype,
-                rank_major_b=backend_name == "torch" and self.device.type == "cpu",  # Triton reads out-major B
-            )
-            self.lora_backend = get_backend(backend_name, self.device)
+        self.core = EngineCore(model_dir, **settings)
+        self.config: ModelConfig = self.core.config
+        self.device: torch.device = self.core.device
+        self.max_model_len: int = self.core.max_model_len
+        self.manager: AdapterManager | None = self.core.manager
+        if self.manager is not None:
             self.manager.on_weights_ready = self._wake
-        if num_kv_blocks is None:
-            self.memory_plan: MemoryPlan | None = self._plan_memory(
-                budget, free_at_start, block_size, max_num_seqs, max_num_batched_tokens
-            )
-            num_kv_blocks = self.memory_plan.kv_blocks
-            log.info(self.memory_plan.describe(self.max_model_len))
-        else:
-            self.memory_plan = None
-            if -(-self.max_model_len // block_size) > num_kv_blocks:
-                raise ValueError(
-                    f"num_kv_blocks={num_kv_blocks} x block_size={block_size} cannot hold one sequence of "
-                    f"max_model_len={self.max_model_len}"
-                )
-        attn_backend = _attention_backend(backend_name, self.device)
-        log.info("decode attention: %s", attn_backend)
-        self.model = Transformer.from_pretrained(
-            self.model_dir, device=self.device, dtype=self.dtype, config=self.config, attn_backend=attn_backend
-        )
-        if quantization is not None:
-            n = self.model.quantize_weights(quantization)
-            log.info("quantized %d base weights to %s", n, quantization)
-        self.kv = PagedKVCache(
-            self.config, num_blocks=num_kv_blocks, block_size=block_size, device=self.device, dtype=self.dtype
-        )
-        self.scheduler = Scheduler(
-            self.kv,
-            self.manager,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_loras=max_loras,
-            slot_aging_s=slot_aging_s,
-            enable_prefix_caching=enable_prefix_caching,
-            eos_token_ids=self.config.eos_token_ids,
-        )
-        self.stats = EngineStats(kv_blocks_total=num_kv_blocks, kv_blocks_free=num_kv_blocks)
-        self._kv_events = KVEventStream(kv_events, block_size) if kv_events is not None and kv_events.active else None
-        if self._kv_events is not None:
-            self.kv.pool.on_event = self._kv_events.record
-        self.grammar_masks = GrammarMasks(self.config.vocab_size)  # structured output's masks, beside the forward
         self._requests: dict[str, _Request] = {}  # event-loop thread only
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
@@ -241,31 +70,14 @@ class Engine:
         self.died: str | None = None  # why the step loop ended by an error (it is not restarted)
         self.progress_at = time.monotonic()  # last step, or last moment with nothing to do (read by /health)
 
-    def _plan_memory(
-        self, budget: MemoryBudget, free: int | None, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
-    ) -> MemoryPlan:
-        """Share the memory budget out between weights, LoRA slots, activations and KV blocks (memory.py)."""
-        budget_bytes, budget_source = budget.resolve(self.device)
-        return plan_memory(
-            budget=budget_bytes,
-            budget_source=budget_source,
-            weights=weight_bytes(
-                self.config,
-                self.dtype,
-                packed_head_copy=self.device.type == "cpu" and cpu_linear.packs(self.dtype),
-                quantization=self.quantization,
-                layouts=cpu_linear.layouts(self.dtype) if self.device.type == "cpu" else 1,  # quantized: unused
-            ),
-            lora=self.manager.pool.nbytes if self.manager is not None else 0,
-            activations=activation_bytes(
-                self.config, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype=self.dtype
-            ),
-            bytes_per_block=PagedKVCache.bytes_per_block(self.config, block_size, self.dtype),
-            block_size=block_size,
-            max_model_len=self.max_model_len,
-            max_num_seqs=max_num_seqs,
-            free=free,
-        )
+    @property
+    def stats(self) -> SchedulerStats:
+        """The scheduler's latest snapshot of its counters (any thread)."""
+        return self.core.scheduler.stats
+
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """Compile a structured-output constraint (cached; blocks: call it off the event loop)."""
+        return self.core.structured.compile(constraint)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -307,10 +119,10 @@ class Engine:
         params: SamplingParams,
         adapter: str | None = None,
         *,
-        constraint: TokenConstraint | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> AsyncIterator[TokenOutput]:
-        """Submit a request and return its token stream; `constraint`: the grammar its output follows
-        (structured/masks.py, one per request).
+        """Submit a request and return its token stream; `grammar`: the compiled constraint its output
+        follows (structured output, `compile`).
 
         Raises before yielding: ValueError (bad params / prompt), AdapterNotFoundError (unknown adapter
         or being removed), EngineUnavailableError (the step loop is not running); the iterator raises
@@ -319,7 +131,7 @@ class Engine:
         if not self.running:
             raise EngineUnavailableError(self.died or "the engine is not running")
         params.validate()
-        if constraint is not None and params.ignore_eos:
+        if grammar is not None and params.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with structured output (the grammar decides the end)")
         self._check_prompt(prompt_token_ids)
         if request_id in self._requests:
@@ -330,21 +142,16 @@ class Engine:
                 raise AdapterNotFoundError(f"adapter {adapter!r} not found (LoRA is disabled: max_loras=0)")
             ref = self.manager.acquire(adapter)
         max_len = min(self.max_model_len, len(prompt_token_ids) + params.max_tokens)
-        seq = Sequence(
-            request_id=request_id,
-            tokens=list(prompt_token_ids),
-            num_prompt=len(prompt_token_ids),
-            params=params,
+        seq = Sequence.create(
+            request_id,
+            prompt_token_ids,
+            params,
             max_len=max_len,
+            eos_token_ids=self.config.eos_token_ids,
             adapter=adapter,
             ref=ref,
-            sampling=SamplingState.create(
-                params,
-                prompt_token_ids,
-                eos_token_ids=self.config.eos_token_ids,
-                device=self.device,
-                constraint=constraint,
-            ),
+            grammar=grammar,
+            device=self.device,
         )
         req = _Request(seq)
         if not self._requests:  # work starts now: a stall is measured from here
@@ -405,11 +212,11 @@ class Engine:
             raise CapacityError("LoRA is disabled on this worker (max_loras=0)")
         return self.manager
 
-    async def add_adapter(self, name: str, path: Path, *, replace: bool = False) -> None:
+    async def add_adapter(self, name: str, path: Path, *, replace: bool = False, source: str | None = None) -> None:
         """Validate and load an adapter into the CPU tier (in a worker thread, its torch ops serial there:
-        omp_threads.py)."""
+        omp_threads.py); `source`: where it came from (`AdapterManager.sources`)."""
         manager = self._require_manager()
-        await asyncio.to_thread(serial(manager.load), name, Path(path), replace=replace)
+        await asyncio.to_thread(serial(manager.load), name, Path(path), replace=replace, source=source)
 
     async def remove_adapter(self, name: str) -> bool:
         """Refuse new requests for `name` at once; return after its in-flight requests finished.
@@ -458,10 +265,10 @@ class Engine:
     def _step_loop(self) -> None:
         if self.device.type == "cpu":
             # Flush denormals to zero (FTZ/DAZ) in this thread and in the OpenMP workers it starts (they inherit
-            # its MXCSR): adapters that push activations to tiny values made the real model's decode steps up to
-            # 1.4x slower on denormal arithmetic (bench/README.md, the CPU LoRA path).
+            # its MXCSR): adapters that push activations to tiny values made the real model's decode steps
+            # markedly slower on denormal arithmetic.
             torch.set_flush_denormal(True)
-        sched = self.scheduler
+        sched = self.core.scheduler
         while True:
             with self._cond:
                 if not (self._stopping or self._inbox or self._aborts or sched.has_work()):
@@ -471,9 +278,9 @@ class Engine:
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, set()
             for seq in inbox:
-                sched.add(seq)
+                sched.add_request(seq)
             if aborts:
-                self._apply_aborts(aborts)
+                self._deliver(sched.finish_requests(aborts, "abort"))
             if not sched.has_work():
                 self.progress_at = time.monotonic()
                 continue
@@ -481,13 +288,10 @@ class Engine:
                 plan = sched.schedule()
             except Exception as exc:  # a scheduling bug must not hang every request
                 log.exception("engine scheduling failed")
-                self._fail([*sched.running, *sched.waiting], exc)
+                self._deliver(sched.fail_requests(list(sched.requests), exc))
                 continue
-            failed = sched.take_failed()
-            if failed:
-                self._deliver([(seq.request_id, exc) for seq, exc in failed])
+            self._deliver(sched.take_failed())
             if not plan.chunks:
-                self._update_queue_stats()
                 with self._cond:
                     if not (self._stopping or self._inbox or self._aborts):
                         self._cond.wait(IDLE_POLL_S)
@@ -496,129 +300,29 @@ class Engine:
                 self._step(plan)
             except Exception as exc:  # a failing step ends its requests, never the engine
                 log.exception("engine step failed")
-                self._fail([c.seq for c in plan.chunks], exc)
-            if self._kv_events is not None:
-                self._kv_events.flush()
+                self._deliver(sched.fail_requests([c.seq.request_id for c in plan.chunks], exc))
             self.progress_at = time.monotonic()
 
     def _step(self, plan: StepPlan) -> None:
-        samplers = [c for c in plan.chunks if c.samples]
-        keep = [i for i, c in enumerate(samplers) if c.seq.params.max_tokens > 0]
-        prefill_only = [c.seq for c in samplers if c.seq.params.max_tokens == 0]
-        sampled_chunks = [samplers[i] for i in keep]
-        states = [c.seq.sampling or SamplingState(c.seq.params) for c in sampled_chunks]
-        masks = self.grammar_masks.start(states)  # in a background thread, while the forward pass runs
-        batch, token_slots = build_forward_batch(plan, self.kv.block_size, self.device)
-        backend, manager = self.lora_backend, self.manager
-        if backend is not None and manager is not None and bool((token_slots >= 0).any()):
-            info = backend.prepare(token_slots.to(self.device, non_blocking=True))
-            batch.lora = LoRAContext(backend, manager.pool, info)
-        logits = self._score_prompts(plan, self.model(batch, self.kv))
-        if prefill_only:
-            logits = logits[keep]
-        picks = sample(logits, states, masks.wait(logits.device))
-        seqs = [c.seq for c in sampled_chunks]
-        update = self.scheduler.update(plan, {s: pick.token_id for s, pick in zip(seqs, picks, strict=True)})
-        st = self.stats
-        st.steps += 1
-        st.max_adapters_in_step = max(st.max_adapters_in_step, len(plan.slots))
-        st.max_seqs_in_step = max(st.max_seqs_in_step, len(plan.chunks))
-        st.prompt_tokens += update.prompt_tokens
-        st.requests_finished += len(update.finished)
-        st.generation_tokens += len(seqs)
-        out: list[tuple[str, TokenOutput | BaseException]] = []
-        for seq in prefill_only:  # max_tokens=0: the prompt is scored, nothing is generated
-            out.append((seq.request_id, TokenOutput(-1, 0.0, None, "length", self._prompt_logprobs_of(seq))))
-        for seq, pick in zip(seqs, picks, strict=True):
-            token = TokenOutput(pick.token_id, pick.logprob, pick.top_logprobs, update.finished.get(seq))
-            if seq.num_output == 1:
-                token.prompt_logprobs = self._prompt_logprobs_of(seq)
-            out.append((seq.request_id, token))
-        self._update_queue_stats()
-        self._deliver(out)
-
-    @staticmethod
-    def _score_prompts(plan: StepPlan, logits: Tensor) -> Tensor:
-        """Record prompt logprobs from their rows of `logits`; return the rows that sample."""
-        if not any(c.prompt_logprob_positions for c in plan.chunks):
-            return logits
-        row, sample_rows = 0, []
-        for c in plan.chunks:
-            positions = c.prompt_logprob_positions
-            if positions:
-                seq = c.seq
-                targets = [seq.tokens[p + 1] for p in positions]
-                k = seq.params.prompt_logprobs or 0
-                seq.prompt_logprobs.extend(prompt_logprobs(logits[row : row + len(positions)], targets, k))
-                row += len(positions)
-            if c.samples:
-                sample_rows.append(row)
-                row += 1
-        return logits[sample_rows]
-
-    @staticmethod
-    def _prompt_logprobs_of(seq: Sequence) -> list[tuple[float, dict[int, float]]] | None:
-        return None if seq.params.prompt_logprobs is None else list(seq.prompt_logprobs)
-
-    def _apply_aborts(self, request_ids: set[str]) -> None:
-        live = {s.request_id: s for s in [*self.scheduler.running, *self.scheduler.waiting]}
-        out: list[tuple[str, TokenOutput | BaseException]] = []
-        for rid in request_ids:
-            seq = live.get(rid)
-            if seq is None:
-                continue
-            self.scheduler.finish(seq, "abort")
-            self.stats.requests_aborted += 1
-            out.append((rid, TokenOutput(-1, 0.0, None, "abort")))
-        self._update_queue_stats()
-        self._deliver(out)
-
-    def _fail(self, seqs: list[Sequence], exc: Exception) -> None:
-        """End `seqs` with an error that their iterators raise."""
-        out: list[tuple[str, TokenOutput | BaseException]] = []
-        for seq in seqs:
-            if seq.status is not SeqStatus.FINISHED:
-                self.scheduler.finish(seq, "abort")
-                out.append((seq.request_id, RuntimeError(f"engine step failed: {exc}")))
-        self._update_queue_stats()
-        self._deliver(out)
+        """Run one scheduled step and deliver its outputs."""
+        self._deliver(self.core.step(plan))
 
     def _shutdown(self) -> None:
-        sched = self.scheduler
-        live = [*sched.running, *sched.waiting]
-        for seq in live:
-            sched.finish(seq, "abort")
+        """End every request still live (the inbox's too: the scheduler releases what they hold)."""
+        sched = self.core.scheduler
         with self._cond:
             inbox, self._inbox = self._inbox, []
         for seq in inbox:
-            if seq.ref is not None and self.manager is not None:
-                self.manager.release(seq.ref)
-        self._deliver([(s.request_id, TokenOutput(-1, 0.0, None, "abort")) for s in [*live, *inbox]])
-        self._update_queue_stats()
-        if self._kv_events is not None:
-            self._kv_events.close()
-            self._kv_events = None
-        self.grammar_masks.close()
+            sched.add_request(seq)
+        self._deliver(sched.finish_requests(list(sched.requests), "abort"))
+        self.core.close()
 
-    def _update_queue_stats(self) -> None:
-        st, sched = self.stats, self.scheduler
-        st.num_running = len(sched.running)
-        st.num_waiting = len(sched.waiting)
-        st.num_waiting_for_slot = sched.num_waiting_for_slot
-        st.preemptions = sched.num_preemptions
-        st.kv_blocks_free = sched.num_free_blocks
-        st.prefix_cache_queries = sched.prefix_cache_queries
-        st.prefix_cache_hits = sched.prefix_cache_hits
-        st.running_adapters = tuple(dict.fromkeys(s.adapter for s in sched.running if s.adapter))
-        st.waiting_adapters = tuple(dict.fromkeys(s.adapter for s in sched.waiting if s.adapter))
-        st.updated_at = time.time()
-
-    def _deliver(self, items: list[tuple[str, TokenOutput | BaseException]]) -> None:
+    def _deliver(self, items: list[Output]) -> None:
         if items and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody is listening
                 self._loop.call_soon_threadsafe(self._dispatch, items)
 
-    def _dispatch(self, items: list[tuple[str, TokenOutput | BaseException]]) -> None:
+    def _dispatch(self, items: list[Output]) -> None:
         """Event-loop side: put each output in its request's queue; final items complete the request."""
         for rid, item in items:
             req = self._requests.get(rid)

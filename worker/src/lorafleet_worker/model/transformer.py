@@ -20,17 +20,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lorafleet_worker.config import ModelConfig
-from lorafleet_worker.model import cpu_attention, cpu_linear, quantization
+from lorafleet_worker.model import cpu_linear, quantization
 from lorafleet_worker.model.attention import paged_attention
 from lorafleet_worker.model.cpu_linear import Packed
 from lorafleet_worker.model.forward_batch import ForwardBatch, LoRAContext
 from lorafleet_worker.model.loading import Checkpoint, parse_dtype
 from lorafleet_worker.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from lorafleet_worker.ops import cpu_attention
 
-base_linear = cpu_linear.linear  # every base-model GEMM goes through here, but for `direct_linears`
-# panel weights call their own op (`matmul_2d`, four Python frames fewer a projection); instrumentation that
-# times `base_linear` (bench/roofline.py) turns this off so that every GEMM passes through it
-direct_linears = True
 GROUPS = ("qkv", "o", "gate_up", "down")
 
 if TYPE_CHECKING:
@@ -98,10 +95,28 @@ class CpuDecodeLayer:
     down_b: Tensor | None
 
 
+@dataclass
+class ForwardOps:
+    """The ops a forward pass goes through, one object shared by a model and its layers (`Transformer.ops`).
+
+    `linear` is every base-model GEMM, `attention` every paged attention of a layer that runs op by op and
+    `decode_attention` the one-op attention of a decode-only CPU step (C++, `ops/cpu_attention.py`).
+    With `direct`, panel weights call their own op (`matmul_2d`, four Python frames fewer a projection) and a
+    decode-only CPU step runs the fused loop (`_decode_on_cpu`). The hook for profilers: `Transformer.set_ops`
+    with timed wrappers and `direct=False`, so that every GEMM and attention passes through them.
+    """
+
+    linear: Callable[[Tensor, Tensor, Tensor | None, Packed | None], Tensor] = cpu_linear.linear
+    attention: Callable[..., Tensor] = paged_attention
+    decode_attention: Callable[..., Tensor] = cpu_attention.decode_attention
+    direct: bool = True
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, idx: int, bias: BiasFlags) -> None:
+    def __init__(self, config: ModelConfig, idx: int, bias: BiasFlags, ops: ForwardOps | None = None) -> None:
         super().__init__()
         self.idx = idx
+        self.ops = ops or ForwardOps()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -120,22 +135,23 @@ class DecoderLayer(nn.Module):
         self.packed: dict[str, Packed] = {}
 
     def _proj(self, x: Tensor, w: Tensor, b: Tensor | None, group: str, lora: LoRAContext | None) -> Tensor:
-        packed = self.packed.get(group)
-        direct = getattr(packed, "matmul_2d", None) if direct_linears else None
-        out = direct(x, b) if direct is not None and x.dim() == 2 else base_linear(x, w, b, packed)
+        packed, ops = self.packed.get(group), self.ops
+        direct = getattr(packed, "matmul_2d", None) if ops.direct else None
+        out = direct(x, b) if direct is not None and x.dim() == 2 else ops.linear(x, w, b, packed)
         if lora is not None:
             lora.apply(self.idx, group, x, out)
         return out
 
     def _matmul_2d(self, group: str) -> Matmul2d:
         """The group's base GEMM for a 2-D x: the panel kernel's own op where the weight is in panels, else
-        `base_linear` with the oneDNN-packed, quantized or dense weight (the choice `_proj` makes per call)."""
+        `ops.linear` with the oneDNN-packed, quantized or dense weight (the choice `_proj` makes per call)."""
         packed = self.packed.get(group)
         direct: Matmul2d | None = getattr(packed, "matmul_2d", None)
         if direct is not None:
             return direct
         w = getattr(self, f"{group}_w")
-        return lambda x, b: base_linear(x, w, b, packed)
+        ops = self.ops
+        return lambda x, b: ops.linear(x, w, b, packed)
 
     def forward(
         self,
@@ -154,7 +170,7 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         if fused and attn_backend == "cpu" and batch.num_decode == t:  # decode only: the attention in one op
             qn, kn = self.q_norm, self.k_norm
-            attn = cpu_attention.decode_attention(
+            attn = self.ops.decode_attention(
                 qkv, cos, sin, None if qn is None else qn.weight, None if kn is None else kn.weight,
                 0.0 if qn is None else qn.eps, kv.k_caches[self.idx], kv.v_caches[self.idx], batch,
                 self.num_heads, self.scale, self.window,
@@ -191,7 +207,7 @@ class DecoderLayer(nn.Module):
             cpu_attention.rope_(k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return paged_attention(
+        return self.ops.attention(
             q, k, v, kv.k_caches[self.idx], kv.v_caches[self.idx], batch, self.scale, backend, self.window
         )
 
@@ -261,7 +277,8 @@ class Transformer(nn.Module):
         self.attn_backend = "torch" if config.sliding_window and attn_backend == "triton" else attn_backend
         bias = bias or BiasFlags(qkv=config.attention_bias)
         self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, bias) for i in range(config.num_hidden_layers))
+        self.ops = ForwardOps()
+        self.layers = nn.ModuleList(DecoderLayer(config, i, bias, self.ops) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Parameter | None = None
         if not config.tie_word_embeddings:
@@ -282,6 +299,13 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    def set_ops(self, ops: ForwardOps) -> None:
+        """Run the forward pass through `ops` from now on (a profiler's timed ops, or the previous ones back)."""
+        self.ops = ops
+        for layer in self._decoder_layers():
+            layer.ops = ops
+        self._cpu_decode = None  # its GEMMs were bound to the previous ops
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> Tensor:
         h = F.embedding(batch.input_ids, self.embed)
@@ -289,7 +313,7 @@ class Transformer(nn.Module):
         fused = _fused_ops(h)
         rows = fused and self.attn_backend == "cpu" and batch.num_decode < h.shape[0]  # prefill in the paged kernel
         batch.prepare_masks(kv.block_size, self.config.sliding_window, decode=self.attn_backend == "torch", rows=rows)
-        fast = fused and direct_linears and self.attn_backend == "cpu" and batch.num_decode == h.shape[0]
+        fast = fused and self.ops.direct and self.attn_backend == "cpu" and batch.num_decode == h.shape[0]
         layers = self.cpu_decode_layers() if fast else None
         if layers is not None:
             h = _decode_on_cpu(layers, h, cos, sin, batch, kv)
@@ -299,7 +323,7 @@ class Transformer(nn.Module):
         h = h[batch.logits_indices]
         h = cpu_attention.rms_norm(h, self.norm.weight, self.norm.eps) if fused else self.norm(h)
         head = self.lm_head if self.lm_head is not None else self.embed
-        return base_linear(h, head, None, self.packed_head).float()
+        return self.ops.linear(h, head, None, self.packed_head).float()
 
     def _rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos / sin [T, 1, head_dim] of `positions`. On CPU they are rows of tables of every position so far

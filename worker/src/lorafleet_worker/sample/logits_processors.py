@@ -1,23 +1,22 @@
 """Per-sequence logits processors: logit_bias, min_tokens and the penalties.
 
-Each sequence carries its own processors (built once by `build_processors`); the engine calls
+Each sequence carries its own processors (built once by `build_processors`); the scheduler calls
 `accept` with every token it samples, and `apply` changes one row of logits in place before the
 sampler draws. vLLM's order: logit_bias, min_tokens, then the repetition / frequency / presence
 penalties. The grammar of structured output is not here: its masks are computed for the whole batch
-off the critical path (structured/masks.py).
+off the critical path (structured/manager.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from lorafleet_worker.sample.sampler import SamplingParams
+from lorafleet_worker.sample.params import SamplingParams
 
 
 class LogitsProcessor(Protocol):

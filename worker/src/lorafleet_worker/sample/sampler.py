@@ -1,4 +1,4 @@
-"""Sampling parameters, each sequence's sampling state, and batched token sampling.
+"""Batched token sampling over each sequence's sampling state.
 
 Per row: the grammar mask of structured output (tokens the grammar forbids get -inf), then the
 sequence's logits processors (logit_bias, min_tokens, penalties: logits_processors.py; greedy takes
@@ -11,104 +11,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from lorafleet_worker.model import cpu_attention
+from lorafleet_worker.ops import cpu_attention
 from lorafleet_worker.sample.logits_processors import LogitsProcessor, build_processors
-
-MAX_LOGPROBS = 20
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16  # 0: prefill only (with prompt_logprobs: score the prompt)
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 = disabled
-    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (after temperature)
-    seed: int | None = None
-    logprobs: int | None = None  # None = none; k >= 0 = chosen token + top-k
-    prompt_logprobs: int | None = None  # None = none; k >= 0 = each prompt token (after the first) + top-k
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
-    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits
-    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already generated
-    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
-    repetition_penalty: float = 1.0  # CTRL / transformers: on prompt and generated tokens; 1 = off
-
-    def validate(self) -> None:
-        """Raise ValueError with a user-facing message for out-of-range values."""
-        if self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be at least 0, got {self.max_tokens}")
-        if self.min_tokens < 0 or self.min_tokens > max(self.max_tokens, 0):
-            raise ValueError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
-            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
-        if not 0 < self.repetition_penalty <= 2:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
-            raise ValueError("logit_bias values must be in [-100, 100]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"prompt logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-@dataclass
-class TokenOutput:
-    token_id: int
-    logprob: float  # log-softmax of the (temperature-free) logits
-    top_logprobs: dict[int, float] | None
-    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
-    # on a request's first output when prompt_logprobs was asked: (logprob, top-k) of prompt tokens 1..n-1
-    prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float
-    top_logprobs: dict[int, float] | None
-
-
-class TokenConstraint(Protocol):
-    """A grammar that a sequence's output must follow (structured/masks.py computes its masks)."""
-
-    @property
-    def finished(self) -> bool:
-        """True once the grammar admits no more tokens (the sequence ends with "stop")."""
-
-    def accept(self, token_id: int) -> None:
-        """Advance over the sampled token."""
+from lorafleet_worker.sample.params import SampledToken, SamplingParams
 
 
 @dataclass(eq=False)
 class SamplingState:
-    """One sequence's sampling: its params, seeded generator, logits processors and grammar.
+    """One sequence's sampling: its params, seeded generator and logits processors.
 
-    Advanced in one place: the engine calls `accept` with each token the sequence samples.
+    The scheduler advances it after each step (`accept` with the token the sequence sampled).
     """
 
     params: SamplingParams
     generator: torch.Generator | None = None
     processors: list[LogitsProcessor] = field(default_factory=list)
-    constraint: TokenConstraint | None = None
 
     @classmethod
     def create(
@@ -118,21 +39,13 @@ class SamplingState:
         *,
         eos_token_ids: Sequence[int] = (),
         device: torch.device | None = None,
-        constraint: TokenConstraint | None = None,
     ) -> SamplingState:
         generator = make_generator(params.seed, device or torch.device("cpu"))
-        return cls(params, generator, build_processors(params, prompt_ids, eos_token_ids), constraint)
+        return cls(params, generator, build_processors(params, prompt_ids, eos_token_ids))
 
     def accept(self, token_id: int) -> None:
         for proc in self.processors:
             proc.accept(token_id)
-        if self.constraint is not None:
-            self.constraint.accept(token_id)
-
-    @property
-    def finished(self) -> bool:
-        """True when the grammar is complete: nothing but EOS could follow."""
-        return self.constraint is not None and self.constraint.finished
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
@@ -179,7 +92,7 @@ def filter_min_p(scaled: Tensor, min_p: Tensor) -> Tensor:
 def sample(logits: Tensor, states: Sequence[SamplingState], allowed: Tensor | None = None) -> list[SampledToken]:
     """Pick one token per row of `logits` ([N, V], float32) for the matching sequence's sampling state.
 
-    `allowed` ([N, V] bool, structured/masks.py): the tokens each row's grammar allows (all for a free row).
+    `allowed` ([N, V] bool, structured/manager.py): the tokens each row's grammar allows (all for a free row).
     """
     n = logits.shape[0]
     if n == 0:

@@ -1,11 +1,13 @@
-"""Grammars of structured output: request specs compiled by llguidance into matchers, with a cache.
+"""Structured output's constraints and their compiler: each kind of constraint a request can give, llguidance
+compiling it into a matcher template, with a cache.
 
-A `GrammarSpec` says what a request asked for (a JSON schema, any JSON object, a regex, a choice
-of strings, a Lark / GBNF grammar) and which request field it came from. `GrammarCompiler` builds
-llguidance's tokenizer once from the model's `tokenizer.json` (no transformers), compiles each spec
-once (an LRU cache keyed by the spec), and hands every sequence a fresh copy of the compiled matcher.
-A spec llguidance cannot compile, or a JSON-schema feature it does not implement, raises
-`GrammarError` naming the field and, for a schema, the JSON pointer of the offending keyword.
+Every kind implements `Constraint`: a JSON schema, any JSON object, a regex, a choice of strings, a Lark /
+GBNF grammar and the tool-call constraints (`tool_choice: "required"` or a named function). Each says which
+request field it came from and what llguidance grammar it is. `GrammarCompiler` builds llguidance's
+tokenizer once from the model's `tokenizer.json` (no transformers) and compiles each constraint once (an
+LRU cache keyed by the constraint). A constraint llguidance cannot compile, or a JSON-schema feature it
+does not implement, raises `GrammarError` naming the field and, for a schema, the JSON pointer of the
+offending keyword.
 
 JSON is generated on one line in `json.dumps` style (`{"a": 1, "b": [2, 3]}`): whitespace is not
 free, so a weak model cannot spend its tokens on blanks and every bounded schema has a bounded answer.
@@ -20,14 +22,10 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Protocol
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
-
-from lorafleet_worker.structured.masks import GrammarMatcher
-
-GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
 JSON_OPTIONS: Any = {
     "whitespace_flexible": False,
@@ -44,16 +42,38 @@ class GrammarError(ValueError):
         self.param = param
 
 
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What a request constrains its output to; `source` is canonical text (the cache key)."""
+class Constraint(Protocol):
+    """What a request constrains its output to (hashable: the compiler's cache key)."""
 
-    kind: GrammarKind
+    @property
+    def param(self) -> str:
+        """The request field it came from, for errors."""
+
+    def grammar(self) -> str:
+        """The llguidance grammar (raises GrammarError when there is none)."""
+
+    def explain(self, error: str) -> str:
+        """llguidance's compile error in the request's terms."""
+
+
+@dataclass(frozen=True)
+class _Text:
+    """A constraint given as text; `param` is not part of its identity."""
+
     source: str
-    param: str = field(compare=False)  # the request field it came from, for errors (not in the cache key)
+    param: str = field(compare=False)
+
+    def explain(self, error: str) -> str:
+        return f"{self.param}: {error.strip()}"
+
+
+@dataclass(frozen=True)
+class JsonSchema(_Text):
+    """A JSON schema (`source`: its canonical JSON text)."""
 
     @classmethod
-    def json_schema(cls, schema: Any, param: str) -> GrammarSpec:
+    def of(cls, schema: Any, param: str) -> JsonSchema:
+        """From a schema object or its JSON text; GrammarError when it is not a JSON object."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -61,13 +81,72 @@ class GrammarSpec:
                 raise GrammarError(f"{param}: not valid JSON: {e}", param) from None
         if not isinstance(schema, dict):
             raise GrammarError(f"{param}: a JSON schema must be an object", param)
-        return cls("json_schema", json.dumps(schema), param)  # key order kept: properties come in it
+        return cls(json.dumps(schema), param)  # key order kept: properties come in it
+
+    def grammar(self) -> str:
+        return str(llguidance.LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS))
+
+    def explain(self, error: str) -> str:
+        pointer = _locate(json.loads(self.source), error.strip())
+        where = f" (at {pointer})" if pointer else ""
+        return f"{self.param}: unsupported or invalid JSON schema{where}: {error.strip()}"
+
+
+@dataclass(frozen=True)
+class ToolCalls(JsonSchema):
+    """The calls `tool_choice` forces: an array of calls ("required") or one named function's arguments."""
+
+
+@dataclass(frozen=True)
+class JsonObject:
+    """Any JSON object (`response_format: json_object`)."""
+
+    param: str = field(compare=False)
+
+    def grammar(self) -> str:
+        return str(llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS))
+
+    def explain(self, error: str) -> str:
+        return f"{self.param}: {error.strip()}"
+
+
+@dataclass(frozen=True)
+class Regex(_Text):
+    """A regular expression the whole output matches."""
+
+    def grammar(self) -> str:
+        return str(llguidance.LLMatcher.grammar_from_regex(self.source))
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of a list of strings."""
+
+    options: tuple[str, ...]
+    param: str = field(compare=False)
 
     @classmethod
-    def choice(cls, options: Sequence[str], param: str) -> GrammarSpec:
+    def of(cls, options: Sequence[str], param: str) -> Choice:
         if not options:
             raise GrammarError(f"{param}: give at least one choice", param)
-        return cls("choice", json.dumps(list(options)), param)
+        return cls(tuple(options), param)
+
+    def grammar(self) -> str:
+        return str(llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in self.options)))
+
+    def explain(self, error: str) -> str:
+        return f"{self.param}: {error.strip()}"
+
+
+@dataclass(frozen=True)
+class Grammar(_Text):
+    """A Lark grammar, or GBNF (llama.cpp / vLLM's EBNF) converted to Lark."""
+
+    def grammar(self) -> str:
+        try:
+            return str(llguidance.LLMatcher.grammar_from_lark(any_to_lark(self.source)))
+        except Exception as e:  # the converter raises plain exceptions
+            raise GrammarError(f"{self.param}: {e}", self.param) from None
 
 
 @dataclass
@@ -78,24 +157,24 @@ class CompilerStats:
 
 
 class CompiledGrammar:
-    """A compiled grammar; `matcher()` gives each sequence its own state (a cheap copy)."""
+    """A compiled constraint; `matcher()` gives each request its own state (a cheap copy)."""
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._template = matcher
 
-    def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._template.deep_copy())
+    def matcher(self) -> llguidance.LLMatcher:
+        return self._template.deep_copy()
 
 
 class GrammarCompiler:
-    """Compiles `GrammarSpec`s for one tokenizer (thread-safe; compile off the event loop)."""
+    """Compiles constraints for one tokenizer (thread-safe; compile off the event loop)."""
 
     def __init__(
         self, tokenizer_json: str, *, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 256
     ) -> None:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self.stats = CompilerStats()
-        self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[Constraint, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
@@ -104,52 +183,26 @@ class GrammarCompiler:
         text = (Path(model_dir) / "tokenizer.json").read_text()
         return cls(text, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """The compiled grammar of `spec` (from the cache when seen before); raises GrammarError."""
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """The compiled grammar of `constraint` (from the cache when seen before); raises GrammarError."""
         with self._lock:
-            hit = self._cache.get(spec)
+            hit = self._cache.get(constraint)
             if hit is not None:
-                self._cache.move_to_end(spec)
+                self._cache.move_to_end(constraint)
                 self.stats.cache_hits += 1
                 return hit
         t0 = time.perf_counter()
-        matcher = llguidance.LLMatcher(self.tokenizer, _llguidance_grammar(spec))
+        matcher = llguidance.LLMatcher(self.tokenizer, constraint.grammar())
         if matcher.is_error():
-            raise GrammarError(_explain(spec, matcher.get_error()), spec.param)
+            raise GrammarError(constraint.explain(matcher.get_error()), constraint.param)
         compiled = CompiledGrammar(matcher)
         with self._lock:
             self.stats.compiles += 1
             self.stats.compile_s += time.perf_counter() - t0
-            self._cache[spec] = compiled
+            self._cache[constraint] = compiled
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
-
-
-def _llguidance_grammar(spec: GrammarSpec) -> str:
-    if spec.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
-    if spec.kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
-    if spec.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(spec.source)
-    if spec.kind == "choice":
-        options = json.loads(spec.source)
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
-    try:  # Lark, or GBNF (llama.cpp / vLLM's EBNF) converted to Lark
-        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.source))
-    except Exception as e:  # the converter raises plain exceptions
-        raise GrammarError(f"{spec.param}: {e}", spec.param) from None
-
-
-def _explain(spec: GrammarSpec, error: str) -> str:
-    """llguidance's error, with the JSON pointer of the schema keyword it is about."""
-    error = error.strip()
-    if spec.kind != "json_schema":
-        return f"{spec.param}: {error}"
-    pointer = _locate(json.loads(spec.source), error)
-    where = f" (at {pointer})" if pointer else ""
-    return f"{spec.param}: unsupported or invalid JSON schema{where}: {error}"
 
 
 def _walk(node: Any, path: str = "#") -> Iterator[tuple[str, str, Any]]:

@@ -1,0 +1,59 @@
+"""What passes between the scheduler and the model runner each step: the plan (`StepPlan`) and what the
+forward pass and sampling gave back (`RunnerOutput`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lorafleet_worker.core.request import Sequence
+from lorafleet_worker.sample.params import SampledToken
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int
+    blocks: list[int] = field(default_factory=list)  # the sequence's KV block ids (the KV cache manager's list)
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the end of the sequence, so its last logits give the next token."""
+        return self.seq.num_computed + self.num_tokens == len(self.seq.tokens)
+
+    @property
+    def generates(self) -> bool:
+        """True when the chunk samples a token that the sequence keeps (not a prompt-only request)."""
+        return self.samples and self.seq.params.max_tokens > 0
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """Positions of this chunk whose logits score the next prompt token (empty unless asked, or done)."""
+        seq = self.seq
+        if seq.params.prompt_logprobs is None:
+            return range(0)
+        start = max(seq.num_computed, len(seq.prompt_logprobs))  # a recomputed prompt is not scored twice
+        return range(start, min(seq.num_computed + self.num_tokens, seq.num_prompt - 1))
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk]  # single-token (decode) chunks first, then prefill chunks
+    num_decode: int
+    new_blocks: list[int] = field(default_factory=list)  # blocks handed out for this step: zeroed before it runs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def slots(self) -> set[int]:
+        return {c.seq.slot for c in self.chunks if c.seq.slot >= 0}
+
+
+@dataclass
+class RunnerOutput:
+    """One step's results by request id: the sampled token of every chunk that generates, and the
+    prompt logprobs scored in this step."""
+
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[tuple[float, dict[int, float]]]] = field(default_factory=dict)
