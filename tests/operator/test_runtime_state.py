@@ -18,6 +18,7 @@ import pytest
 from lorafleet_operator.controller import Runtime
 from lorafleet_operator.index import ModelIndex
 from lorafleet_operator.ledger import MemoryLedger
+from lorafleet_operator.placement import takes
 from lorafleet_operator.reconcile import Reconciler
 from lorafleet_operator.resources import Model, Pod
 from lorafleet_operator.settings import OperatorSettings
@@ -177,3 +178,51 @@ async def test_a_model_on_fewer_pods_than_replicas_is_looked_at_again(mgmt_worke
         assert result.status["phase"] == "Ready" and result.requeue_after is None
     finally:
         await client.close()
+
+
+async def test_a_joining_pod_requeues_only_the_models_whose_top_replicas_it_enters(
+    mgmt_workers: list[MgmtWorker],
+) -> None:
+    """The reconcile pass returns the replicas a model wants (``Result.replicas``); the runtime alone
+    decides from them which models a pod joining moves (``placement.takes``), asking the reconciler
+    nothing. A model with no pass yet is queued anyway."""
+    objects: dict[tuple[str, str], dict[str, Any]] = {}
+
+    async def write_status(model: Model, patch: Mapping[str, Any]) -> dict[str, Any] | None:
+        body = objects[model.key]
+        status = {k: v for k, v in {**(body.get("status") or {}), **patch}.items() if v is not None}
+        body = objects[model.key] = {**body, "status": json.loads(json.dumps(status))}
+        return body
+
+    settings = OperatorSettings(default_replicas=2, drift_interval=3600, retry_base=0.05, retry_max=0.2)
+    client = WorkerClient(call_timeout=2, load_timeout=5, backoff=0.01)
+    rt = Runtime(settings, Reconciler(client, management_port=mgmt_workers[0].port, unload_grace=0), write_status)
+    try:  # not started: this test takes keys from the queue itself
+        for i, w in enumerate(mgmt_workers):
+            rt.on_pod("ADDED", pod_body(f"worker-{i}", w.host, True, BASE))
+        for i in range(16):
+            body = lora_body(f"m{i}", f"org/m{i}", f"2026-01-01T00:00:{i:02d}Z")
+            body["spec"]["replicas"] = 1 + i % 2
+            objects[("ns", f"m{i}")] = body
+            rt.on_model("ADDED", body)
+        while len(rt.queue):
+            key = await asyncio.wait_for(rt.queue.get(), 20)
+            await rt.reconcile_key(key)
+            rt.queue.done(key)
+        assert rt.replicas == {("ns", f"m{i}"): 1 + i % 2 for i in range(16)}
+        rt.on_model("ADDED", lora_body("late", "org/late", "2026-01-01T00:01:00Z"))  # queued, no pass yet
+        rt.queue.done(await asyncio.wait_for(rt.queue.get(), 2))  # (taken: the pod below must queue it again)
+
+        rt.on_pod("ADDED", pod_body("worker-5", "127.0.0.250", True, BASE))
+        requeued = set()
+        while len(rt.queue):
+            requeued.add(await asyncio.wait_for(rt.queue.get(), 2))
+        entered = {
+            key
+            for key, model in rt.index.items()
+            if key in rt.replicas and takes(model.model_name, model.status["placement"], rt.replicas[key], "worker-5")
+        }
+        assert entered and len(entered) < 16, "the models should split into moving and staying ones"
+        assert requeued == entered | {("ns", "late")}
+    finally:
+        await rt.stop()
