@@ -136,7 +136,7 @@ affinity:
 {{- end }}
 {{- end }}
 
-{{/* Env selecting what the operator / router watch (Settings: LORAFLEET_NAMESPACES / LORAFLEET_ALL_NAMESPACES). */}}
+{{/* Env selecting what the operator / router watch (both settings classes read LORAFLEET_NAMESPACES / LORAFLEET_ALL_NAMESPACES: envflags.WatchScope). */}}
 {{- define "lorafleet.scopeEnv" -}}
 {{- if eq .Values.rbac.scope "cluster" -}}
 - name: LORAFLEET_ALL_NAMESPACES
