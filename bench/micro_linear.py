@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=OUT_DIR / "micro_linear.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from lorafleet_worker.model import cpu_gemm
+    from lorafleet_worker.ops import cpu_gemm
 
     torch.manual_seed(0)
     weights = [torch.randn(o, i) * 0.02 for o, i in SHAPES]

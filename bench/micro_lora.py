@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 from lorafleet_worker.config import ModelConfig
-from lorafleet_worker.lora import cpu_lora
 from lorafleet_worker.lora.adapter import GROUPS, LoRAAdapter, LoRAModuleWeights, group_shapes
 from lorafleet_worker.lora.backends import TorchLoRABackend
 from lorafleet_worker.lora.backends.cpu import CpuLoRABackend
 from lorafleet_worker.lora.pool import LoRAPool
+from lorafleet_worker.ops import cpu_lora
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BENCH_MODEL, MIXED_RANKS, log, machine, write_json

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lorafleet_worker.model import cpu_attention
 from lorafleet_worker.model.attention import _torch_decode
 from lorafleet_worker.model.forward_batch import ForwardBatch
+from lorafleet_worker.ops import cpu_attention
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the C++ CPU decode attention does not build")
 

@@ -1,12 +1,12 @@
-"""The panel GEMM of the CPU base linears (`model/cpu_gemm.py`) against F.linear, and where `cpu_linear` uses it."""
+"""The panel GEMM of the CPU base linears (`ops/cpu_gemm.py`) against F.linear, and where `cpu_linear` uses it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from lorafleet_worker import native_ops
-from lorafleet_worker.model import cpu_gemm, cpu_linear
+from lorafleet_worker.model import cpu_linear
+from lorafleet_worker.ops import cpu_gemm, loader
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="the panel kernel could not be built here")
 
@@ -155,10 +155,10 @@ def test_leading_dimensions_strides_and_bad_weights() -> None:
 
 def test_mode_follows_the_cpu_and_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     onednn = torch.backends.mkldnn.is_available()
-    monkeypatch.setattr(native_ops, "cpu_flags", lambda cpuinfo=None: {"avx2", "fma"})
+    monkeypatch.setattr(loader, "cpu_flags", lambda cpuinfo=None: {"avx2", "fma"})
     assert cpu_linear.mode(torch.float32) == "panel"  # no AVX-512: the panel kernel
     assert cpu_linear.mode(torch.float64) == "torch"
-    monkeypatch.setattr(native_ops, "cpu_flags", lambda cpuinfo=None: {"avx2", "fma", "avx512f"})
+    monkeypatch.setattr(loader, "cpu_flags", lambda cpuinfo=None: {"avx2", "fma", "avx512f"})
     # AVX-512: panels for decode rows, oneDNN's 512-bit kernels above (both layouts, twice the memory)
     assert cpu_linear.mode(torch.float32) == ("split" if onednn else "panel")
     assert cpu_linear.layouts(torch.float32) == (2 if onednn else 1)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lorafleet_worker.lora import cpu_lora
 from lorafleet_worker.lora.adapter import GROUPS, LoRAAdapter, group_shapes
 from lorafleet_worker.lora.backends import TorchLoRABackend, get_backend
 from lorafleet_worker.lora.backends import cpu as backend_mod
 from lorafleet_worker.lora.backends.cpu import SMALL_SEGMENT, CpuLoRABackend, make_plan
 from lorafleet_worker.lora.pool import LoRAPool
+from lorafleet_worker.ops import cpu_lora
 
 from bench.kernel_inputs import random_proj_weights
 from tests.worker.test_lora_backend import CONFIG, MAX_RANK, dense_reference, random_adapter
@@ -248,15 +248,3 @@ def test_step_runner_matches_apply(pool_and_adapters, dtype: torch.dtype, layout
             ctx.apply(layer, group, strided, got)
             backend.apply(strided, want, pool.weights(layer, group), info)
             assert torch.equal(got, want), (layer, group)
-
-
-@needs_kernel
-def test_step_runner_can_be_turned_off(pool_and_adapters) -> None:
-    """Instrumentation that times the backend's `apply` (roofline.py) turns the runner off to see every call."""
-    pool, _ = pool_and_adapters
-    backend = backend_for("cpp")
-    info = backend.prepare(torch.tensor(LAYOUTS["decode"], dtype=torch.int32))
-    assert backend.step_runner(pool, info) is not None
-    backend.step_runners = False
-    assert backend.step_runner(pool, info) is None
-    assert backend_for("torch").step_runner(pool, info) is None

@@ -2,9 +2,8 @@
 
 The step's K/V are written into the layer's cache first. With the `"cpu"` backend every row of the step, prefill
 rows too, then attends through the C++ paged kernel in one call: a prompt token at position p is a query over
-the cached tokens 0..p (`ForwardBatch.row_block_tables`). Measured on the 2-core Zen 4 VM, SmolLM2's 9 / 3 heads
-of 64, bfloat16, one prompt a layer, against SDPA: 128 tokens 0.18 vs 0.36 ms, 512 2.5 vs 4.2 ms, 2048 40 vs
-42 ms (16 prompts of 128 in one call: 0.18 ms a prompt, SDPA 0.49). Otherwise prefill chunks attend with
+the cached tokens 0..p (`ForwardBatch.row_block_tables`); on CPU it is faster than SDPA at every prompt length
+(bench/README.md has the figures). Otherwise prefill chunks attend with
 torch SDPA (a fresh prompt over its own K/V, a later chunk over its cached context). Decode tokens attend with
 the `"torch"` backend (gather each sequence's blocks, masked SDPA), the `"cpu"` C++ loop that reads the blocks
 in place (`cpu_attention.py`) or the `"triton"` paged-attention kernel (`kernels/paged_attention.py`, no
@@ -19,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lorafleet_worker.model import cpu_attention
 from lorafleet_worker.model.forward_batch import ForwardBatch
+from lorafleet_worker.ops import cpu_attention
 
 
 def paged_attention(

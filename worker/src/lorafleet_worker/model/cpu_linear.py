@@ -1,26 +1,16 @@
 """Base-model linears on CPU with the weights prepacked once: 16-wide panels for our own kernel
-(`cpu_gemm.py`), or oneDNN's blocked layout (the way inductor's freezing does).
+(`ops/cpu_gemm.py`), oneDNN's blocked layout (reordered once at load, as inductor's freezing does), or both.
 
-`F.linear` on CPU hands a float32 GEMM to MKL, which repacks the weight on every call; at decode
-shapes (M = the number of running sequences) that repacking and the plain weight layout cost as much
-as the multiply. oneDNN with its weight reordered once at load (`mkldnn._reorder_linear_weight`, a
-blocked layout for this CPU's ISA) and called through `mkldnn._linear_pointwise` measured, on a
-2-core AVX512-BF16 EPYC, 768 x 4608 projection: float32 1.8x faster at M = 32
-(3x at M = 8, 1.15x at M = 2048), bfloat16 1.5x at M = 32; the 14 layers of the 97M bench model at
-M = 32: 67.5 -> 33.0 ms float32, 27.6 -> 18.0 ms bfloat16.
-
-`mode(dtype)` picks the layout of every weight:
-- `panel` on CPUs without AVX-512: measured there as fast as oneDNN from M = 128 up and faster below
-  (1.1-1.4x at M = 1-32, float32), and the only fast bfloat16 path where oneDNN has no bfloat16 kernel;
+`F.linear` on CPU hands a float32 GEMM to MKL, which repacks the weight on every call; at decode shapes that
+repacking costs as much as the multiply. `mode(dtype)` picks the layout of every weight:
+- `panel` on CPUs without AVX-512 (as fast as oneDNN from 128 rows up, faster below, and the only fast bfloat16
+  path where oneDNN has none);
 - `split` on AVX-512 CPUs: each weight in both layouts (`SplitWeight`, twice the linears' memory), panels for
-  up to PANEL_MAX_ROWS rows and oneDNN above. Measured on a 2-core AVX512-BF16 EPYC (Zen 4), the 121 linears of
-  SmolLM2-135M: panels read a decode step's weights 1.6x faster at one row (bfloat16 8.5 vs 13.6 ms, float32
-  16.4 vs 24.6) and still win at 4 rows, while oneDNN's 512-bit and AVX512-BF16 kernels win from 6-8 rows up
-  (bfloat16 at 128 rows: 85.6 vs 195.7 ms). One user's decode and a prefill each get the faster kernel;
+  up to PANEL_MAX_ROWS rows and oneDNN above, so one user's decode and a prefill each get the faster kernel;
 - `onednn` where the panel kernel did not build (or asked for);
 - `torch` (`F.linear`) where neither can serve the dtype.
 `LORAFLEET_CPU_LINEAR` = `panel`, `split`, `onednn` or `torch` overrides the choice (`torch` turns packing off;
-`panel` or `onednn` keeps one layout, half the memory of `split`).
+`panel` or `onednn` keeps one layout, half the memory of `split`). Measured figures: bench/README.md.
 
 `pack(w)` returns the packed weight, or None where the chosen path cannot serve it (no mkldnn in this torch
 build, another device or dtype, or the probe call fails): the caller then keeps `F.linear`. `linear` also
@@ -39,16 +29,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lorafleet_worker import native_ops
-from lorafleet_worker.model import cpu_gemm
-from lorafleet_worker.model.cpu_gemm import PanelWeight
 from lorafleet_worker.model.quantization import QuantizedWeight
+from lorafleet_worker.ops import cpu_gemm, loader
+from lorafleet_worker.ops.cpu_gemm import PanelWeight
 
 log = logging.getLogger(__name__)
 
 ENV = "LORAFLEET_CPU_LINEAR"
 MODES = ("panel", "split", "onednn", "torch")
-PANEL_MAX_ROWS = 4  # `split`: panels up to this many rows of x, oneDNN above (the crossover measured above)
+PANEL_MAX_ROWS = 4  # `split`: panels up to this many rows of x, oneDNN above (the measured crossover)
 
 
 def _onednn_linear(x: Tensor, packed: Tensor, b: Tensor | None) -> Tensor:
@@ -108,8 +97,7 @@ class PanelArena:
     2 MB pages (`huge_pages.py`): PyTorch gives them only to allocations of 2 MB or more, and most of a small
     model's panels are smaller (SmolLM2-135M in bfloat16: qkv 1.1 MB, o 0.7 MB, down 1.8 MB a layer). Packed
     weight by weight they sat on 4 KB pages; gathered here, the step reads one 2 MB-paged stream, layer after
-    layer. Measured on the 2-core Zen 4 VM, the same process before and after gathering, bfloat16 c = 1 decode
-    forward: 9.6 -> 8.95, 7.6 -> 6.7, 7.6 -> 6.45 ms (three processes).
+    layer.
     """
 
     ALIGN = 64  # bytes: every panel tensor starts on a cache line
@@ -161,7 +149,7 @@ def mode(dtype: torch.dtype) -> str:
     if cpu_gemm.available():
         if asked == "panel" or not onednn:
             return "panel"
-        return "split" if asked == "split" or "avx512f" in native_ops.cpu_flags() else "panel"
+        return "split" if asked == "split" or "avx512f" in loader.cpu_flags() else "panel"
     return "onednn" if onednn else "torch"
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lorafleet_worker.model import cpu_gemm
+from lorafleet_worker.ops import cpu_gemm
 
 METHODS = ("int8", "int4", "w8a8_int8")
 INT8_METHODS = ("int8", "w8a8_int8")  # the same int8 weights per output channel

@@ -1,21 +1,20 @@
-"""Build and load the worker's C++ extensions (the CPU ops of `model/cpu_attention.py`, the base linears of
-`model/cpu_gemm.py`, the grouped LoRA kernel of `lora/cpu_lora.py`).
+"""The one loader of the worker's C++ extensions: each library's sources in `csrc/`, its name, and where it
+comes from.
 
-Each extension module describes its library with an `Extension` (name, C++ source, functions, off switch)
-as its `EXTENSION`; `EXTENSION_MODULES` lists those modules. Where a library comes from, first match wins:
+An `Extension` names a library's `.cpp` files in `csrc/`; its `name` (the module, JIT cache and prebuilt file
+name) ends in a hash of those files, the headers they include and the compiler flags, so a changed byte is a
+new library. Where a library comes from, first match wins:
 
-1. Its off switch (`LORAFLEET_CPU_ATTENTION=torch`, `LORAFLEET_CPU_LORA=torch`): nothing; the torch path.
+1. Its off switch (`LORAFLEET_CPU_ATTENTION=torch`, `LORAFLEET_CPU_LINEAR=torch`, `LORAFLEET_CPU_LORA=torch`):
+   nothing; the torch path.
 2. A prebuilt library in `$LORAFLEET_CPU_OPS_DIR`, `<name>-<level>.so`, for the best level this CPU runs
-   (`prebuilt_path`; x86-64-v4: AVX-512, x86-64-v3: AVX2 + FMA). The worker image builds every extension
-   for both levels in its build stage: `python -m lorafleet_worker.native_ops build DIR LEVEL`. One that
-   fails to import (built against another torch, unreadable) is skipped, and the reason logged.
-3. Compiled at first use with `torch.utils.cpp_extension.load_inline` (g++ and ninja, -march=native, about
-   30 s once; cached under `$TORCH_EXTENSIONS_DIR` where set, otherwise in a directory of this Python
-   environment's own under `~/.cache/torch_extensions`: `jit_directory`).
+   (x86-64-v4: AVX-512, x86-64-v3: AVX2 + FMA), built by `python -m lorafleet_worker.ops.loader build DIR LEVEL`
+   (the worker image's build stage). One that fails to import is skipped, and the reason logged.
+3. Compiled at first use by `torch.utils.cpp_extension.load` with -march=native, cached per Python environment
+   (`jit_directory`).
 4. Neither: None; the reason is logged and the caller keeps its torch path.
 
-torch.utils.cpp_extension is imported only to compile, and the extension modules only when the command
-line builds them (they import this one).
+Importing this module imports neither torch nor the extension modules.
 """
 
 from __future__ import annotations
@@ -27,12 +26,13 @@ import importlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,63 +41,65 @@ log = logging.getLogger(__name__)
 
 # The modules that declare an extension (their `EXTENSION`), imported only by `extensions()`.
 EXTENSION_MODULES = (
-    "lorafleet_worker.model.cpu_attention",
-    "lorafleet_worker.model.cpu_gemm",
-    "lorafleet_worker.lora.cpu_lora",
+    "lorafleet_worker.ops.cpu_attention",
+    "lorafleet_worker.ops.cpu_gemm",
+    "lorafleet_worker.ops.cpu_lora",
 )
+CSRC = Path(__file__).resolve().parent.parent / "csrc"  # the C++ sources, shipped in the package
 LEVELS = ("x86-64-v4", "x86-64-v3")  # prebuilt variants, best first (v4: AVX-512; v3: AVX2 + FMA)
 _LEVEL_FLAGS = {
     "x86-64-v3": {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"},
     "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
 }
 OPS_DIR_ENV = "LORAFLEET_CPU_OPS_DIR"
+# Every build's flags besides its -march. -fopenmp: without it ATen's headers compile at::parallel_for as a
+# plain serial loop (the libgomp it links is torch's own at run time, already loaded by libtorch_cpu).
+CFLAGS = ("-O3", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
-# C++ shared by the extensions' sources (each pastes it after its includes, which bring at::BFloat16): eight
-# float32 lanes of float or bfloat16 under AVX2 + FMA, loaded, summed across, and stored (bfloat16 rounded to
-# nearest even, a NaN kept a quiet NaN, as c10::BFloat16 rounds).
-SIMD8 = r"""
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const at::BFloat16* p) {
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-static inline float reduce8(__m256 a) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
-}
-static inline __m256i bf16_bits8(__m256 f) {  // round to nearest even; the 16 bits in each lane's low half
-  const __m256i b = _mm256_castps_si256(f);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
-  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
-}
-static inline void store8(float* p, __m256 f) { _mm256_storeu_ps(p, f); }
-static inline void store8(at::BFloat16* p, __m256 f) {
-  const __m256i b = bf16_bits8(f);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
-}
-#endif
-"""
+def source_files(sources: Iterable[str], directory: Path = CSRC) -> list[Path]:
+    """`sources` (files in `directory`) and every header they include with quotes, transitively, sorted."""
+    seen: set[Path] = set()
+    todo = [directory / s for s in sources]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        todo += [path.parent / m.decode() for m in _INCLUDE.findall(path.read_bytes())]
+    return sorted(seen)
+
+
+def content_hash(sources: Iterable[str], directory: Path = CSRC) -> str:
+    """16 hex digits of the SHA-256 of the compiler flags and of every file of `source_files`, named and read."""
+    digest = hashlib.sha256(" ".join((*CFLAGS, *LDFLAGS)).encode())
+    for path in source_files(sources, directory):
+        digest.update(b"\0" + path.relative_to(directory).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: one per extension module, cheap as a cache key
 class Extension:
-    """One C++ extension: `name` (the module, JIT cache and prebuilt file name; bump it with any change to
-    `source`), the C++ `source`, the `functions` it exports, `switch` (the environment variable whose value
-    `torch` turns it off), and for the log what it is (`what`) and what runs without it (`fallback`)."""
+    """One C++ library: `stem` (its name's start), its `sources` in `csrc/` (compiled and linked together, one of
+    them defining the Python module), `switch` (the environment variable whose value `torch` turns it off), and
+    for the log what it is (`what`) and what runs without it (`fallback`)."""
 
-    name: str
-    source: str
-    functions: tuple[str, ...]
+    stem: str
+    sources: tuple[str, ...]
     switch: str
     what: str
     fallback: str
+
+    @functools.cached_property
+    def name(self) -> str:
+        """The module, JIT cache and prebuilt file name: `stem` and the sources' `content_hash`."""
+        return f"{self.stem}_{content_hash(self.sources)}"
+
+    def paths(self) -> list[str]:
+        """The source files to compile."""
+        return [str(CSRC / s) for s in self.sources]
 
 
 def extensions() -> list[Extension]:
@@ -158,19 +160,16 @@ def jit_directory(name: str, env: Mapping[str, str] | None = None, prefix: str |
 
 
 def _jit(ext: Extension, cflags: list[str], build_directory: str | None = None) -> Any:
-    from torch.utils.cpp_extension import load_inline
+    from torch.utils.cpp_extension import load as load_extension
 
     build_directory = build_directory or jit_directory(ext.name)
     if build_directory is not None:
         Path(build_directory).mkdir(parents=True, exist_ok=True)
-    return load_inline(
+    return load_extension(
         name=ext.name,
-        cpp_sources=[ext.source],
-        functions=list(ext.functions),
-        # -fopenmp: without it ATen's headers compile at::parallel_for as a plain serial loop. The
-        # libgomp it links is torch's own at run time (same soname, already loaded by libtorch_cpu).
-        extra_cflags=["-O3", *cflags, "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
+        sources=ext.paths(),
+        extra_cflags=[*CFLAGS, *cflags],
+        extra_ldflags=list(LDFLAGS),
         build_directory=build_directory,
         verbose=False,
     )
@@ -194,8 +193,22 @@ def load(ext: Extension, env: Mapping[str, str] | None = None, flags: set[str] |
 @functools.cache
 def built(ext: Extension) -> Any | None:
     """The library of `ext` for this process, prebuilt or JIT-compiled at the first call (then cached),
-    whatever its off switch says; None where neither works."""
+    whatever its off switch says; None where neither works. For callers that checked `library` once."""
     return _locate(ext, os.environ, cpu_flags())
+
+
+def library(ext: Extension) -> Any | None:
+    """The library of `ext` for this process: None while its off switch says `torch` (read on every call),
+    otherwise `built(ext)`."""
+    if switched_off(ext):
+        _log_off(ext)
+        return None
+    return built(ext)
+
+
+@functools.cache
+def _log_off(ext: Extension) -> None:
+    log.info("%s off: %s (%s=torch)", ext.what, ext.fallback, ext.switch)
 
 
 def _locate(ext: Extension, env: Mapping[str, str], flags: set[str]) -> Any | None:
@@ -219,10 +232,10 @@ def _locate(ext: Extension, env: Mapping[str, str], flags: set[str]) -> Any | No
 def _compile_only(ext: Extension, level: str, build_directory: str) -> None:
     """Compile `ext` for a `level` this CPU cannot run (an AVX2 build host making the AVX-512 library).
 
-    `load_inline` imports what it builds, and that import may die with SIGILL here, so it runs in a child
+    Torch's loader imports what it builds, and that import may die with SIGILL here, so it runs in a child
     process: the library counts as built when the child succeeded or died of SIGILL after writing it."""
     code = (
-        "import sys; from lorafleet_worker import native_ops as n; "
+        "import sys; from lorafleet_worker.ops import loader as n; "
         "n._jit(next(e for e in n.extensions() if e.name == sys.argv[1]), ['-march=' + sys.argv[2]], sys.argv[3])"
     )
     child = subprocess.run(
@@ -268,7 +281,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m lorafleet_worker.native_ops build DIR LEVEL`: prints each library's path; 1 if one fails."""
+    """`python -m lorafleet_worker.ops.loader build DIR LEVEL`: prints each library's path; 1 if one fails."""
     args = _parser().parse_args(argv)
     for ext in extensions():
         try:
@@ -281,23 +294,27 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run as the package's module, not as __main__: the extension modules import that one.
-    from lorafleet_worker.native_ops import main as _main
+    from lorafleet_worker.ops.loader import main as _main
 
     sys.exit(_main())
 
 
 __all__ = [
+    "CSRC",
     "EXTENSION_MODULES",
     "LEVELS",
     "OPS_DIR_ENV",
     "Extension",
     "build_prebuilt",
     "built",
+    "content_hash",
     "cpu_flags",
     "cpu_levels",
     "extensions",
+    "library",
     "load",
     "main",
     "prebuilt_path",
+    "source_files",
     "switched_off",
 ]

@@ -1,47 +1,16 @@
-"""Base-model linears on CPU in C++: the weight in 16-wide panels, one kernel for every batch size.
-
-A weight [N, K] is stored as [ceil(N / 16), K, 16] (`pack`): for each group of 16 output channels, the 16
-weights of input k side by side. A micro-tile computes 16 outputs of up to 6 rows of x in twelve AVX2 registers,
-reading its panel front to back and broadcasting x (the 6 x 16 tile of BLIS and of llamafile's tinyBLAS, which
-llama.cpp uses): with one row of x (one user decoding) the panels stream from memory once, at the bandwidth;
-with many rows, x is packed tile by tile and a 256-input slice of a panel stays in L1 while every tile of a
-48-row block reads it, so the kernel runs at the FMA units' rate. bfloat16 panels are widened in registers
-(a 16-bit shift), int8 panels (`quantization.py`, `--quantization int8`) converted and scaled per output
-channel at the end; sums are float32, the output is in x's dtype, a bias is added in the same pass. int8 panels
-times bfloat16 x of more than one tile's rows (prefill, batched decode) run in integers instead: each row of x
-rounded to int16 with its own scale, two k at a time through `vpmaddwd`, int32 sums per 256-input slice
-(`linear_i8_i16`; 1.3-1.8x the float tile's rate at 8-128 rows). One row (memory-bound) keeps the float tile.
-`--quantization w8a8_int8` (`panel_linear_w8a8`, CPUs with AVX512-VNNI) rounds those rows to int8 instead, one
-scale per 32 inputs of a row as llama.cpp's Q8_0 does, and multiplies four k at once with `vpdpbusd` in
-16-output zmm tiles: 1.9-2.3x the int16 kernel at 8-512 rows (the 4 linears of a SmolLM2 layer, 2-core Zen 4),
-at 8-bit activations' rounding (~0.7-0.9 % of a real layer's output, as much as the int8 weights' own).
-
-Measured on the 2-core AVX2 EPYC of the benchmarks, the 121 linears of SmolLM2-135M (one thread, best of 4,
-side by side with oneDNN's prepacked float32 linear, `cpu_linear.py`'s other path): M = 1: 40 vs 45 ms; M = 4:
-58 vs 70; M = 32: 148 vs 206; M = 128: 513 vs 504; M = 512: 2251 vs 2283; bfloat16 and int8 panels read half
-and a quarter of the bytes (M = 1: 21 and 14 ms), where oneDNN has no bfloat16 kernel on this CPU and PyTorch's
-`_weight_int8pack_mm` took 266 ms. `cpu_linear.mode` says where it is used.
-
-Where the library comes from (`native_ops`, as for `cpu_attention.py`): prebuilt in `$LORAFLEET_CPU_OPS_DIR`,
-else compiled at first use with -march=native, else none (`available()` False; `cpu_linear` keeps oneDNN or
-`F.linear`). `LORAFLEET_CPU_LINEAR=torch` turns it off with the rest of the packing.
-"""
-
-from __future__ import annotations
-
-import functools
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch import Tensor
-
-from lorafleet_worker import native_ops
-
-PANEL = 16  # output channels per panel (the C++ NR)
-
-_SOURCE = r"""
+// Base-model linears in 16-wide weight panels (the library lorafleet_cpu_gemm; its Python side:
+// lorafleet_worker/ops/cpu_gemm.py): pack_panels, panel_linear (float32, bfloat16 and int8 panels) and
+// panel_linear_w8a8 (int8 panels times 8-bit activations on AVX512-VNNI), and the module that binds them.
+//
+// A micro-tile computes 16 outputs of up to 6 rows of x in twelve AVX2 registers, reading its panel front to back
+// and broadcasting x (the 6 x 16 tile of BLIS and of llamafile's tinyBLAS): with one row of x the panels stream
+// from memory once; with many rows, x is packed tile by tile and a 256-input slice of a panel stays in L1 while
+// every tile of a 48-row block reads it. bfloat16 panels are widened in registers (a 16-bit shift), int8 panels
+// converted and scaled per output channel at the end; sums are float32, the output is in x's dtype, a bias is
+// added in the same pass. int8 panels times bfloat16 x of more than one tile's rows run in integers instead:
+// each row of x rounded to int16 with its own scale, two k at a time through `vpmaddwd`, int32 sums per
+// 256-input slice (`linear_i8_i16`). `panel_linear_w8a8` rounds those rows to int8 instead, one scale per 32
+// inputs of a row as llama.cpp's Q8_0 does, and multiplies four k at once with `vpdpbusd` in 16-output zmm tiles.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -681,109 +650,10 @@ at::Tensor panel_linear_w8a8(const at::Tensor& x, const at::Tensor& panels, int6
                              const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias) {
   return linear_any(x, panels, N, scales, bias, true);
 }
-"""
 
-EXT_NAME = "lorafleet_cpu_gemm_v7"  # bump with any change to _SOURCE (the JIT cache and prebuilt names follow)
-EXTENSION = native_ops.Extension(
-    name=EXT_NAME,
-    source=_SOURCE,
-    functions=("pack_panels", "panel_linear", "panel_linear_w8a8", "has_w8a8"),
-    switch="LORAFLEET_CPU_LINEAR",
-    what="CPU panel GEMM",
-    fallback="base linears use oneDNN or F.linear",
-)
-
-
-@functools.cache
-def _module() -> Any | None:
-    if native_ops.switched_off(EXTENSION):
-        return None
-    return native_ops.built(EXTENSION)
-
-
-def available() -> bool:
-    """True when the kernel is built (or could be built now) on this machine."""
-    return _module() is not None
-
-
-def kernel(w8a8: bool = False) -> Any:
-    """The op itself: panel_linear(x [M, K], panels, out_features, scales or None, bias or None); `w8a8`: its
-    8-bit-activation form for int8 panels (`has_w8a8`)."""
-    mod = _module()
-    assert mod is not None, "check available() first"
-    return mod.panel_linear_w8a8 if w8a8 else mod.panel_linear
-
-
-def has_w8a8() -> bool:
-    """True when `kernel(w8a8=True)` rounds activations to 8 bits: the kernel built and this CPU has AVX512-VNNI
-    (the path is compiled into every x86 build and taken only there)."""
-    mod = _module()
-    return mod is not None and bool(mod.has_w8a8())
-
-
-@dataclass(frozen=True)
-class PanelWeight:
-    """A [out_features, in_features] weight in panels (float32, bfloat16, or int8 with float32 `scales`)."""
-
-    panels: Tensor  # [ceil(out / 16), in, 16]
-    out_features: int
-    scales: Tensor | None = None  # int8: per output channel, float32 [out]
-
-    def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        """x @ w.T (+ bias) for x [..., in] in float32 or bfloat16; the result in x's dtype."""
-        return linear(x, self.panels, self.out_features, self.scales, bias)
-
-    @functools.cached_property
-    def matmul_2d(self) -> Callable[[Tensor, Tensor | None], Tensor]:
-        """`matmul` for a 2-D x, the op called directly (the decoder layer's projections: 121 calls a step)."""
-        op = kernel()
-        panels, n, scales = self.panels, self.out_features, self.scales
-
-        def run(x: Tensor, bias: Tensor | None) -> Tensor:
-            out: Tensor = op(x, panels, n, scales, bias)
-            return out
-
-        return run
-
-    def to_dense(self) -> Tensor:
-        """The weight [out, in] (int8: dequantized to float32)."""
-        p, k, _ = self.panels.shape
-        dense = self.panels.transpose(1, 2).reshape(p * PANEL, k)[: self.out_features]
-        if self.scales is not None:
-            return dense.float() * self.scales[:, None]
-        return dense.contiguous()
-
-    @property
-    def nbytes(self) -> int:
-        extra = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
-        return self.panels.numel() * self.panels.element_size() + extra
-
-
-def linear(
-    x: Tensor, panels: Tensor, out_features: int, scales: Tensor | None, bias: Tensor | None, w8a8: bool = False
-) -> Tensor:
-    """x [..., in] @ the panels' weight.T (int8: times `scales` per output channel) + bias, in x's dtype; `w8a8`:
-    int8 panels times x rounded to int8 per 32 inputs where the rows make it compute-bound (`kernel`)."""
-    op = kernel(w8a8)
-    if x.shape[-1] != panels.shape[1]:
-        raise ValueError(f"x has {x.shape[-1]} input features, the weight {panels.shape[1]}")
-    if x.dim() == 2:  # the engine's flat batch: no reshape calls (two torch ops per linear, 240 a decode step)
-        flat: Tensor = op(x, panels, out_features, scales, bias)
-        return flat
-    out: Tensor = op(x.reshape(-1, panels.shape[1]), panels, out_features, scales, bias)
-    return out.reshape(*x.shape[:-1], out_features)
-
-
-def pack(w: Tensor, scales: Tensor | None = None) -> PanelWeight:
-    """`w` [out, in] (float32, bfloat16; int8 with `scales`) in panels."""
-    mod = _module()
-    assert mod is not None, "check available() first"
-    if w.dim() != 2 or w.dtype not in (torch.float32, torch.bfloat16, torch.int8):
-        raise ValueError(f"panels hold 2-D float32, bfloat16 or int8 weights, not {w.dtype} {tuple(w.shape)}")
-    if (w.dtype == torch.int8) != (scales is not None):
-        raise ValueError("int8 panels need per-channel scales, and only int8 panels take them")
-    panels: Tensor = mod.pack_panels(w.detach())
-    return PanelWeight(panels, w.shape[0], None if scales is None else scales.float().contiguous())
-
-
-__all__ = ["EXTENSION", "PANEL", "PanelWeight", "available", "has_w8a8", "kernel", "linear", "pack"]
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_panels", torch::wrap_pybind_function(pack_panels), "pack_panels");
+  m.def("panel_linear", torch::wrap_pybind_function(panel_linear), "panel_linear");
+  m.def("panel_linear_w8a8", torch::wrap_pybind_function(panel_linear_w8a8), "panel_linear_w8a8");
+  m.def("has_w8a8", torch::wrap_pybind_function(has_w8a8), "has_w8a8");
+}

@@ -1,0 +1,400 @@
+// Grouped multi-LoRA (the library lorafleet_cpu_lora; its Python side: lorafleet_worker/ops/cpu_lora.py):
+// lora_small, the shrink and expand of every adapter of one projection group in one call, and the module that
+// binds it.
+//
+// `lora_small` walks the step's short segments (each adapter's decode tokens, prompt chunks) in two passes split
+// over ATen's thread pool:
+//   shrink  per (segment, slice with rank r > 0, 64 of its tokens): xa[token, slice, :r] = x[row] . A[slot,
+//           slice, :r]^T, each A row read once for 4 tokens at a time, float32 sums;
+//   expand  per (segment, slice, block of 256 output columns, 64 tokens): out[row, cols] += scaling .
+//           xa[token, slice, :r] . B[slot, cols, :r]^T; with the pool's rank-major B (B[slot] stored as [r, out])
+//           this is r axpys over contiguous rows; a B stored [out, r] is read as one dot product per column.
+// With AVX2 + FMA both passes run register tiles on blocks of 3-4 tokens (shrink: 4 tokens x 2 rows of A, 8
+// independent sums; expand: 3-4 tokens x 16 columns held in registers over the whole rank). In bfloat16 on a
+// CPU with AVX512-BF16 the shrink's tiles multiply bfloat16 pairs (`vdpbf16ps`, x and A read as they are). A
+// segment of one or two tokens reads each A row once for both tokens and takes two-token expand loops with each
+// B row widened once for both tokens. Only each adapter's own rank is read (no max-rank padding), slices of rank
+// 0 are skipped, x rows are read in place through the step's row list (no gather, no scatter).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "simd8.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define LF_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t TB = 4;     // tokens per block: one weight row is read once for up to TB tokens
+constexpr int64_t NC = 256;   // output columns per expand work item
+constexpr int64_t PC = 64;    // tokens per work item: a long segment (a prompt) is split over the threads too
+
+template <typename T>
+inline const float* widen(const T* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+template <>
+inline const float* widen<float>(const float* src, float*, int64_t) { return src; }
+// One element as float inside a vectorized loop: bfloat16 is the top half of a float, a 16-bit shift.
+// A and B are read in place and widened in registers (converting them into a buffer per token block first,
+// element by element, made a one-user bfloat16 decode step with an adapter ~10 ms slower than float32's).
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <>
+inline const float* widen<at::BFloat16>(const at::BFloat16* src, float* buf, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) buf[i] = to_float(src[i]);
+  return buf;
+}
+
+struct Seg {
+  int64_t slot, start, end;
+};
+
+#ifdef LF_AVX2
+// Register tiles (AVX2 + FMA; on AVX-512 machines as fast: Zen 4 splits a zmm FMA in two): 8 independent
+// accumulators keep both FMA pipes busy, where the portable loops below ran one dependent chain per sum.
+// (load8, reduce8, store8: simd8.h)
+
+// sums[t * NA + i] = x[t] · a[i] over K (a multiple of 8) for NT float rows x and NA rows a of T; NT * NA * U = 8
+// accumulators, U of them over consecutive k for each product (one row of A then streams through 8 FMA chains)
+template <typename T, int NT, int NA, int U>
+inline void dot_tile(const float* const* x, const T* const* a, int64_t K, float* sums) {
+  __m256 acc[U][NT * NA];
+#pragma GCC unroll 8
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 8
+    for (int i = 0; i < NT * NA; ++i) acc[u][i] = _mm256_setzero_ps();
+  const auto step = [&](int u, int64_t k) {
+    __m256 w[NA];
+#pragma GCC unroll 8
+    for (int i = 0; i < NA; ++i) w[i] = load8(a[i] + k);
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+      const __m256 xv = _mm256_loadu_ps(x[t] + k);
+#pragma GCC unroll 8
+      for (int i = 0; i < NA; ++i) acc[u][t * NA + i] = _mm256_fmadd_ps(xv, w[i], acc[u][t * NA + i]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 8 * U <= K; k += 8 * U)
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) step(u, k + 8 * u);
+  for (; k < K; k += 8) step(0, k);
+#pragma GCC unroll 8
+  for (int i = 0; i < NT * NA; ++i) {
+    __m256 v = acc[0][i];
+#pragma GCC unroll 8
+    for (int u = 1; u < U; ++u) v = _mm256_add_ps(v, acc[u][i]);
+    sums[i] = reduce8(v);
+  }
+}
+
+// o[t][c .. c + 8 * CW) += sum_j coef[t * R + j] * b[j * bs + c ..] for NT rows, every full chunk of 8 * CW
+// columns below nc; returns the first column not done
+template <typename T, int NT, int CW>
+inline int64_t expand_tile(const float* coef, int64_t R, const T* b, int64_t bs, int64_t r, T* const* o, int64_t nc) {
+  int64_t c = 0;
+  for (; c + 8 * CW <= nc; c += 8 * CW) {
+    __m256 acc[NT * CW];
+#pragma GCC unroll 8
+    for (int i = 0; i < NT * CW; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < r; ++j) {
+      __m256 w[CW];
+#pragma GCC unroll 8
+      for (int q = 0; q < CW; ++q) w[q] = load8(b + j * bs + c + 8 * q);
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) {
+        const __m256 cv = _mm256_broadcast_ss(coef + t * R + j);
+#pragma GCC unroll 8
+        for (int q = 0; q < CW; ++q) acc[t * CW + q] = _mm256_fmadd_ps(cv, w[q], acc[t * CW + q]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 8
+      for (int q = 0; q < CW; ++q) {
+        T* p = o[t] + c + 8 * q;
+        store8(p, _mm256_add_ps(load8(p), acc[t * CW + q]));
+      }
+  }
+  return c;
+}
+#endif
+
+#if defined(LF_AVX2) && defined(__GNUC__)
+// bfloat16 shrink tiles with AVX512-BF16 `vdpbf16ps` (32 products of bfloat16 pairs into 16 float32 lanes an
+// instruction, twice a widened FMA's work and no widening): compiled function by function into every x86 build
+// (the prebuilt x86-64-v3 / v4 libraries too) and taken where the CPU has it (`has_bf16_dot`). The products are
+// exact in float32, summed with float32 rounding (denormal inputs read as zero), as the FMA tiles sum them.
+#define LF_BF16_DOT 1
+#define LF_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+bool has_bf16_dot() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
+
+// sums[t * 2 + i] = x[t] · a[i] over K (a multiple of 32) for 4 bfloat16 rows x and 2 bfloat16 rows a
+LF_BF16_TARGET void dot_tile_bf16(const at::BFloat16* const* x, const at::BFloat16* const* a, int64_t K, float* sums) {
+  __m512 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(a[0] + k), w1 = (__m512bh)_mm512_loadu_si512(a[1] + k);
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[t] + k);
+      acc[2 * t] = _mm512_dpbf16_ps(acc[2 * t], xv, w0);
+      acc[2 * t + 1] = _mm512_dpbf16_ps(acc[2 * t + 1], xv, w1);
+    }
+  }
+  for (int i = 0; i < 8; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+#else
+bool has_bf16_dot() { return false; }
+#endif
+
+template <typename T>
+void run(const at::Tensor& x, at::Tensor& out, const at::Tensor& A, const at::Tensor& B,
+         const at::Tensor& ranks, const at::Tensor& scalings, const std::vector<int64_t>& offs,
+         const at::Tensor& rows, const std::vector<Seg>& segs) {
+  const int64_t K = x.size(1), n_slices = A.size(1), R = A.size(2);
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  const int64_t as_slot = A.stride(0), as_slice = A.stride(1), as_rank = A.stride(2);
+  const int64_t bs_slot = B.stride(0), bs_row = B.stride(1), bs_rank = B.stride(2);
+  const bool rank_major = bs_row == 1;  // B[slot] laid out [rank, out]
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* ap = A.data_ptr<T>();
+  const T* bp = B.data_ptr<T>();
+  const int32_t* rk = ranks.data_ptr<int32_t>();
+  const float* sc = scalings.data_ptr<float>();
+  const int32_t* rp = rows.data_ptr<int32_t>();
+  const int64_t n_rows = rows.size(0);
+  const int64_t rs_slot = ranks.stride(0), ss_slot = scalings.stride(0);
+
+  // xa[p, s, j]: the shrunk activations of the p-th token of the segment list, slice s, rank row j
+  std::vector<float> xa(static_cast<size_t>(std::max<int64_t>(n_rows, 1) * n_slices * R));
+  struct Item {
+    int64_t seg, slice, col, p0, p1;  // tokens [p0, p1) of segment seg
+  };
+  std::vector<Item> shrink, expand;
+  int64_t shrink_work = 0, expand_work = 0;
+  for (int64_t g = 0; g < (int64_t)segs.size(); ++g) {
+    for (int64_t s = 0; s < n_slices; ++s) {
+      const int64_t r = rk[segs[g].slot * rs_slot + s];
+      if (r <= 0) continue;
+      const int64_t len = segs[g].end - segs[g].start;
+      for (int64_t p = segs[g].start; p < segs[g].end; p += PC) {
+        const int64_t q = std::min(p + PC, segs[g].end);
+        shrink.push_back({g, s, 0, p, q});
+        for (int64_t c = offs[s]; c < offs[s + 1]; c += NC) expand.push_back({g, s, c, p, q});
+      }
+      shrink_work += r * K * len;
+      expand_work += r * (offs[s + 1] - offs[s]) * len;
+    }
+  }
+  if (shrink.empty()) return;
+  static const bool bf16_dot = has_bf16_dot();
+  // below ~64k multiply-adds a pass runs on the calling thread: waking the pool costs more than it saves
+  const int64_t small = 1 << 16;
+
+  at::parallel_for(0, (int64_t)shrink.size(), shrink_work < small ? (int64_t)shrink.size() : 1,
+                   [&](int64_t begin, int64_t end) {
+    std::vector<float> xbuf(TB * K);
+    for (int64_t it = begin; it < end; ++it) {
+      const Seg& sg = segs[shrink[it].seg];
+      const int64_t s = shrink[it].slice, p1 = shrink[it].p1;
+      const int64_t r = rk[sg.slot * rs_slot + s];
+      const T* a_base = ap + sg.slot * as_slot + s * as_slice;
+      for (int64_t p0 = shrink[it].p0; p0 < p1; p0 += TB) {
+        const int64_t nt = std::min<int64_t>(TB, p1 - p0);
+#ifdef LF_BF16_DOT
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          if (bf16_dot && nt > 2 && K % 32 == 0) {  // 4 tokens x 2 rank rows in bfloat16 pairs, x read in place
+            const at::BFloat16* xb[TB];
+            for (int64_t t = 0; t < TB; ++t) xb[t] = xp + (int64_t)rp[p0 + std::min(t, nt - 1)] * xs;
+            for (int64_t j = 0; j < r; j += 2) {
+              const at::BFloat16* a[2] = {a_base + j * as_rank, a_base + std::min(j + 1, r - 1) * as_rank};
+              float sums[8];
+              dot_tile_bf16(xb, a, K, sums);
+              for (int64_t t = 0; t < nt; ++t)
+                for (int64_t i = 0; i < std::min<int64_t>(2, r - j); ++i)
+                  xa[((p0 + t) * n_slices + s) * R + j + i] = sums[t * 2 + i];
+            }
+            continue;
+          }
+        }
+#endif
+        const float* xr[TB];
+        for (int64_t t = 0; t < TB; ++t)  // a short block repeats its last token (widened once)
+          xr[t] = t < nt ? widen<T>(xp + (int64_t)rp[p0 + t] * xs, xbuf.data() + t * K, K) : xr[nt - 1];
+#ifdef LF_AVX2
+        if (K % 8 == 0) {  // register tiles: 4 tokens x 2 rank rows (a row past r repeats r - 1), or for an
+                           // adapter's 1-2 decode rows 2 tokens x 1 row, which streams A once at the memory's speed
+          const int64_t na = nt <= 2 ? 1 : 2;
+          for (int64_t j = 0; j < r; j += na) {
+            const T* a[2] = {a_base + j * as_rank, a_base + std::min(j + 1, r - 1) * as_rank};
+            float sums[8];
+            if (nt <= 2) dot_tile<T, 2, 1, 4>(xr, a, K, sums);
+            else dot_tile<T, 4, 2, 1>(xr, a, K, sums);
+            for (int64_t t = 0; t < nt; ++t)
+              for (int64_t i = 0; i < std::min(na, r - j); ++i)
+                xa[((p0 + t) * n_slices + s) * R + j + i] = sums[t * na + i];
+          }
+          continue;
+        }
+#endif
+        const float *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[3];
+        for (int64_t j = 0; j < r; ++j) {
+          const T* a = a_base + j * as_rank;  // read in place, widened in registers
+          float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+          if (nt <= 2) {  // one or two tokens (an adapter's decode rows): half the products
+#pragma omp simd reduction(+ : s0, s1)
+            for (int64_t k = 0; k < K; ++k) {
+              const float av = to_float(a[k]);
+              s0 += x0[k] * av;
+              s1 += x1[k] * av;
+            }
+          } else {
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+            for (int64_t k = 0; k < K; ++k) {
+              const float av = to_float(a[k]);
+              s0 += x0[k] * av;
+              s1 += x1[k] * av;
+              s2 += x2[k] * av;
+              s3 += x3[k] * av;
+            }
+          }
+          const float sums[TB] = {s0, s1, s2, s3};
+          for (int64_t t = 0; t < nt; ++t) xa[((p0 + t) * n_slices + s) * R + j] = sums[t];
+        }
+      }
+    }
+  });
+
+  at::parallel_for(0, (int64_t)expand.size(), expand_work < small ? (int64_t)expand.size() : 1,
+                   [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(TB * NC), coef(TB * R);
+    for (int64_t it = begin; it < end; ++it) {
+      const Seg& sg = segs[expand[it].seg];
+      const int64_t s = expand[it].slice, c0 = expand[it].col;
+      const int64_t nc = std::min<int64_t>(NC, offs[s + 1] - c0);
+      const int64_t r = rk[sg.slot * rs_slot + s];
+      const float scale = sc[sg.slot * ss_slot + s];
+      const T* b_base = bp + sg.slot * bs_slot;
+      const int64_t p1 = expand[it].p1;
+      for (int64_t p0 = expand[it].p0; p0 < p1; p0 += TB) {
+        const int64_t nt = std::min<int64_t>(TB, p1 - p0);
+        for (int64_t t = 0; t < nt; ++t)
+          for (int64_t j = 0; j < r; ++j) coef[t * R + j] = scale * xa[((p0 + t) * n_slices + s) * R + j];
+        int64_t done = 0;  // columns added by the register tiles; the loops below take the rest
+#ifdef LF_AVX2
+        if (rank_major && nt > 2) {
+          T* o[TB];
+          for (int64_t t = 0; t < TB; ++t) o[t] = op + (int64_t)rp[p0 + std::min(t, nt - 1)] * os + c0;
+          const T* b = b_base + c0;
+          if (nt == 3) done = expand_tile<T, 3, 2>(coef.data(), R, b, bs_rank, r, o, nc);
+          else done = expand_tile<T, 4, 2>(coef.data(), R, b, bs_rank, r, o, nc);
+        }
+#endif
+        if (done == nc) continue;
+        std::fill(acc.begin(), acc.begin() + nt * NC, 0.f);
+        if (rank_major && nt == 2) {  // an adapter's two decode rows: each B row widened once for both
+          float *a0 = acc.data(), *a1 = acc.data() + NC;
+          for (int64_t j = 0; j < r; ++j) {
+            const T* b = b_base + j * bs_rank + c0;
+            const float cj0 = coef[j], cj1 = coef[R + j];
+#pragma omp simd
+            for (int64_t i = done; i < nc; ++i) {
+              const float bv = to_float(b[i]);
+              a0[i] += cj0 * bv;
+              a1[i] += cj1 * bv;
+            }
+          }
+        } else if (rank_major) {
+          for (int64_t j = 0; j < r; ++j) {
+            const T* b = b_base + j * bs_rank + c0;
+            for (int64_t t = 0; t < nt; ++t) {
+              const float cj = coef[t * R + j];
+              float* at = acc.data() + t * NC;
+#pragma omp simd
+              for (int64_t i = done; i < nc; ++i) at[i] += cj * to_float(b[i]);
+            }
+          }
+        } else {  // B[slot] laid out [out, rank]: one dot product of length r per column
+          for (int64_t i = done; i < nc; ++i) {
+            const T* b = b_base + (c0 + i) * bs_row;
+            for (int64_t t = 0; t < nt; ++t) {
+              const float* ct = coef.data() + t * R;
+              float v = 0.f;
+#pragma omp simd reduction(+ : v)
+              for (int64_t j = 0; j < r; ++j) v += ct[j] * to_float(b[j]);
+              acc[t * NC + i] = v;
+            }
+          }
+        }
+        for (int64_t t = 0; t < nt; ++t) {
+          T* o = op + (int64_t)rp[p0 + t] * os + c0;
+          const float* at = acc.data() + t * NC;
+          int64_t i = done;
+#ifdef LF_AVX2
+          for (; i + 8 <= nc; i += 8) store8(o + i, _mm256_add_ps(load8(o + i), _mm256_loadu_ps(at + i)));
+#endif
+          for (; i < nc; ++i) o[i] = static_cast<T>(static_cast<float>(o[i]) + at[i]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// out[rows[p], slice s] += scalings[slot, s] * x[rows[p]] @ A[slot, s, :r].T @ B[slot, slice s, :r].T for every
+// segment (slot, start, end) of `segs` ([S, 3] int64), every p in [start, end) and slice s with r = ranks[slot, s].
+void lora_small(at::Tensor x, at::Tensor out, at::Tensor A, at::Tensor B, at::Tensor ranks, at::Tensor scalings,
+                std::vector<int64_t> offs, at::Tensor rows, at::Tensor segs) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && A.dim() == 4 && B.dim() == 3, "bad shapes");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == A.scalar_type() &&
+              x.scalar_type() == B.scalar_type(), "x, out, A and B must share one dtype");
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && A.stride(3) == 1, "rows of x, out and A must be contiguous");
+  TORCH_CHECK(B.stride(1) == 1 || B.stride(2) == 1, "B must be contiguous along out or rank");
+  TORCH_CHECK(ranks.scalar_type() == at::kInt && scalings.scalar_type() == at::kFloat && ranks.stride(1) == 1 &&
+              scalings.stride(1) == 1, "ranks int32, scalings float32");
+  TORCH_CHECK(rows.scalar_type() == at::kInt && rows.is_contiguous(), "rows: contiguous int32");
+  TORCH_CHECK(segs.scalar_type() == at::kLong && segs.dim() == 2 && segs.size(1) == 3, "segs: int64 [S, 3]");
+  TORCH_CHECK((int64_t)offs.size() == A.size(1) + 1 && A.size(3) == x.size(1) && offs.back() == out.size(1) &&
+              B.size(1) == out.size(1) && B.size(2) == A.size(2), "shapes do not match");
+  segs = segs.contiguous();
+  std::vector<Seg> sv(segs.size(0));
+  const int64_t* sp = segs.data_ptr<int64_t>();
+  for (int64_t g = 0; g < segs.size(0); ++g) {
+    sv[g] = {sp[3 * g], sp[3 * g + 1], sp[3 * g + 2]};
+    TORCH_CHECK(sv[g].slot >= 0 && sv[g].slot < A.size(0) && 0 <= sv[g].start && sv[g].start <= sv[g].end &&
+                sv[g].end <= rows.size(0), "segment out of range");
+  }
+  if (x.scalar_type() == at::kFloat) {
+    run<float>(x, out, A, B, ranks, scalings, offs, rows, sv);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    run<at::BFloat16>(x, out, A, B, ranks, scalings, offs, rows, sv);
+  } else {
+    TORCH_CHECK(false, "float32 or bfloat16 only");
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("lora_small", torch::wrap_pybind_function(lora_small), "lora_small");
+}
