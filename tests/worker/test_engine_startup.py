@@ -103,7 +103,7 @@ def test_plan_that_cannot_hold_one_sequence_names_the_flags() -> None:
 def test_engine_logs_its_choices_and_sizes_the_kv_cache_from_the_budget(
     tiny_models: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="lorafleet_worker.core.engine")
+    caplog.set_level(logging.INFO, logger="lorafleet_worker.core")
     engine = Engine(tiny_models["llama"], max_loras=2, max_lora_rank=8, max_num_seqs=4, memory_budget="64MiB")
     assert engine.core.dtype == torch.float32 and engine.core.lora_backend_name == "torch"  # fp32 checkpoint on CPU
     # decode attention reads the KV blocks in place where the C++ loop builds; the log names the choice

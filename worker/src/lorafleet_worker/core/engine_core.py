@@ -33,6 +33,7 @@ from lorafleet_worker.lora.manager import AdapterManager
 from lorafleet_worker.model import Transformer, cpu_linear, parse_dtype
 from lorafleet_worker.model.quantization import check_supported as check_quantization
 from lorafleet_worker.ops import cpu_attention
+from lorafleet_worker.settings import DEFAULTS
 from lorafleet_worker.structured.manager import StructuredOutputManager
 
 log = logging.getLogger(__name__)
@@ -81,21 +82,21 @@ class EngineCore:
         self,
         model_dir: Path,
         *,
-        device: str = "cpu",
-        dtype: str = "auto",
-        max_loras: int = 8,
-        max_cpu_loras: int = 64,
-        max_lora_rank: int = 64,
+        device: str = DEFAULTS.device,
+        dtype: str = DEFAULTS.dtype,
+        max_loras: int = DEFAULTS.max_loras,
+        max_cpu_loras: int = DEFAULTS.max_cpu_loras,
+        max_lora_rank: int = DEFAULTS.max_lora_rank,
         max_adapters: int | None = None,
-        max_num_seqs: int = 64,
+        max_num_seqs: int = DEFAULTS.max_num_seqs,
         max_model_len: int | None = None,
-        lora_backend: str = "auto",
+        lora_backend: str = DEFAULTS.lora_backend,
         memory_budget: str | float | None = None,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         max_num_batched_tokens: int | None = None,
         slot_aging_s: float = 1.0,
-        enable_prefix_caching: bool = True,
+        enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching,
         kv_events: KVEventsConfig | None = None,
         quantization: str | None = None,
     ) -> None:

@@ -1,4 +1,4 @@
-"""`CpuLoRABackend`: multi-LoRA on CPU with the grouped C++ kernel (`ops/cpu_lora.py`) for each adapter's short segments.
+"""`CpuLoRABackend`: multi-LoRA on CPU, each adapter's short segments in the grouped C++ kernel (`ops/cpu_lora.py`).
 
 Per projection group and step:
   - every adapter with at most `SMALL_SEGMENT` tokens in the step (decode tokens, short prompt chunks) goes
@@ -78,7 +78,6 @@ class CpuLoRABackend(TorchLoRABackend):
     kernel builds; `LORAFLEET_CPU_LORA=torch` or no compiler: `TorchLoRABackend`)."""
 
     grouped = "cpp"
-    step_runners = True  # the decode fast path below; instrumentation that times `apply` turns it off
 
     def __init__(self, small_segment: int = SMALL_SEGMENT) -> None:
         from lorafleet_worker.ops import cpu_lora
@@ -97,13 +96,12 @@ class CpuLoRABackend(TorchLoRABackend):
         """For a step whose every segment goes to the C++ kernel (decode steps), the step's `apply` with the
         per-call Python cut to a table look-up and the kernel call (one user decoding calls it 120 times a
         step on a 30-layer model, ~8 µs of Python each through `apply`); None where `apply` has to run (prefill
-        segments, another dtype, or `step_runners` turned off, e.g. by a benchmark timing `apply`).
+        segments, another dtype).
         Inputs `apply` would not hand to the kernel (another dtype, strided rows) still go to `apply`."""
         plan = batch.host_plan
         dtype = pool.dtype
         if (
-            not self.step_runners
-            or not batch.has_lora
+            not batch.has_lora
             or not isinstance(plan, _Plan)
             or plan.large
             or not plan.small
