@@ -9,12 +9,8 @@
   `--dtype bfloat16` to trade exactness for speed).
 
 The CPU rule follows what `make bench-dtype` measures (`bench/bench_engine.py --dtype float32 bfloat16`:
-both systems in both dtypes, back to back in one run; `bench/README.md`); should a bf16-capable CPU ever
-measure bf16 slower for the engine, the rule has to change with it. On a 2-core AMD EPYC with AVX512-BF16
-and no AMX (2026-11-24, load average 1.4-1.7, concurrency 32) the engine ran 1.73x as fast in bf16 as in
-fp32 on the benchmark's 97M-parameter Llama and 1.62x on SmolLM2-135M (transformers' `generate`: 1.61x
-and 1.37x). Earlier smoke timings on a 2-core CPU with AMX agree (1.2-1.6x for the engine).
-Without either flag bf16 is emulated and fp32 is kept.
+both systems in both dtypes, back to back in one run); should a bf16-capable CPU ever measure bf16 slower for
+the engine, the rule has to change with it. Without either flag bf16 is emulated and fp32 is kept.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Transparent huge pages (2 MB) for the worker's big tensors: weights, KV cache, LoRA slots.
 
 A decode step of one sequence reads every weight once, so it runs at the memory's read speed, and on 4 KB
-pages that speed depends on where the kernel put them: the real model's float32 c = 1 step, the same
-server started six times on the 2-core Zen 4 VM of the benchmarks (bench/README.md, "Ninth pass"),
-took 13.9-19.7 ms a token on 4 KB pages and 13.9-14.5 ms on 2 MB pages (llama.cpp, whose GGUF is
-mmap'ed from the page cache: 18.0 ms).
+pages that speed depends on where the kernel put them (from one server start to the next); on 2 MB pages it
+does not.
 
 PyTorch's CPU allocator gives every allocation of 2 MB or more `madvise(MADV_HUGEPAGE)` when
 `THP_MEM_ALLOC_ENABLE=1` is set at its first allocation, so the worker's entry point (`cli.main`) sets

@@ -6,8 +6,7 @@ torch on CPU runs its parallel ops (oneDNN / MKL GEMMs, ATen kernels, the C++ op
 sleep on a futex, but libgomp cuts the spin to almost nothing as soon as it manages more threads than the
 process has CPUs (`gomp_throttled_spin_count_var`). With a second pool alive (the thread that loaded the
 model, an executor thread that parsed an adapter) every parallel region of the engine thread paid a futex
-wake-up: on the 2-core benchmark machine a 32-row RMSNorm went from 6 µs to 75 µs, a decode-shaped oneDNN
-GEMM from 330 to 500 µs, and a decode step of the 97M bench model ran ~1.4x slower.
+wake-up, which made small ops (a decode step's norms and GEMMs) several times slower.
 
 The discipline, kept by `Engine`:
 - the team is sized to the CPUs the process may use (`size_team`): OMP_NUM_THREADS when set, else the

@@ -28,8 +28,7 @@ if TYPE_CHECKING:
     from ..pool import LoRAPool
 
 # An adapter with at most this many tokens in the step goes to the grouped C++ kernel; one with more (a long
-# prompt chunk) to per-adapter matmuls, which win on FLOPs once a segment is long (measured: bench/README.md,
-# "Eleventh pass").
+# prompt chunk) to per-adapter matmuls, which win on FLOPs once a segment is long (`bench/micro_lora.py`).
 SMALL_SEGMENT = 512
 
 
@@ -94,9 +93,8 @@ class CpuLoRABackend(TorchLoRABackend):
 
     def step_runner(self, pool: LoRAPool, batch: LoRABatchInfo) -> StepRunner | None:
         """For a step whose every segment goes to the C++ kernel (decode steps), the step's `apply` with the
-        per-call Python cut to a table look-up and the kernel call (one user decoding calls it 120 times a
-        step on a 30-layer model, ~8 µs of Python each through `apply`); None where `apply` has to run (prefill
-        segments, another dtype).
+        per-call Python cut to a table look-up and the kernel call (a step calls it for every layer and
+        projection group); None where `apply` has to run (prefill segments, another dtype).
         Inputs `apply` would not hand to the kernel (another dtype, strided rows) still go to `apply`."""
         plan = batch.host_plan
         dtype = pool.dtype
@@ -143,8 +141,8 @@ class CpuLoRABackend(TorchLoRABackend):
             and out.stride(-1) == 1
         )
         if kernel and plan.large and x.dtype == torch.bfloat16 and cpu_bf16_flag() is None:
-            # without bfloat16 matmul units (AMX / AVX512-BF16; the flag is cached) torch's bf16 mm / addmm_ ran
-            # ~10x slower than the kernel (prefill with an adapter, bench/README.md): every segment goes to it
+            # without bfloat16 matmul units (AMX / AVX512-BF16; the flag is cached) torch's bf16 mm / addmm_ is an
+            # emulation, far slower than the kernel: every segment goes to it
             if plan.all_grouped is None:
                 plan.all_grouped = make_plan(batch, batch.num_tokens)
             plan = plan.all_grouped
