@@ -1,4 +1,4 @@
-"""Demand-aware replicas end to end (issue 17, outcome 4): real workers, the router and the operator as pods.
+"""Demand-aware replicas end to end: real workers, the router and the operator as pods.
 
 A skewed load through the router (several clients on one adapter) makes that adapter's replica count
 grow along its HRW order; once the load stops it shrinks back (after the cool-down), and no request

@@ -1,4 +1,4 @@
-"""Demand-aware replicas through the chart as installed (issue 27): the operator finds every router pod
+"""Demand-aware replicas through the chart as installed: the operator finds every router pod
 through the headless Service `<fullname>-router-pods` by its cluster DNS name, reads their demand and
 grows, then shrinks, an autoscaled adapter while requests go through the router's Service.
 

@@ -1,4 +1,4 @@
-"""The operator and router on the local control plane, with real workers as pods (issue 5's list).
+"""The operator and router on the local control plane, with real workers as pods.
 
 One stack per module, built from plain manifests (not the chart): the CRD, a worker Deployment
 (`lorafleet/worker:dev`, tiny llama), the operator and the router as pods (`lorafleet/operator:dev`)

@@ -1,4 +1,4 @@
-"""Two operator replicas with --leader-elect on the local control plane (issue 13, outcome 7).
+"""Two operator replicas with --leader-elect on the local control plane.
 
 Exactly one replica acts (holds the Lease, reconciles, writes status); force-deleting it hands
 over to the other within 30 s. No workers are needed: a base-model DynamoModel is reconciled

@@ -1,4 +1,4 @@
-"""The operator's Lease election and ConfigMap ledger against the real API server (issue 13)."""
+"""The operator's Lease election and ConfigMap ledger against the real API server."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Make-before-break and failed swaps (issue 13, outcomes 1 and 2), against real HTTP management servers.
+"""Make-before-break and failed swaps, against real HTTP management servers.
 
 The ``progress`` callback sees the status the operator publishes *while* loads run, which is
 what a router reads at that moment: every published status must route the adapter somewhere

@@ -1,5 +1,5 @@
-"""Leadership lost: the operator's work is cancelled and awaited before the process exits (issue 28's soak
-found kopf's tasks left mid-cancellation by a SystemExit raised inside the event loop)."""
+"""Leadership lost: the operator's work is cancelled and awaited before the process exits (a SystemExit
+raised inside the event loop would leave kopf's tasks mid-cancellation)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ConfigMapLedger: write-ahead claims, group-committed, in bulk (issue 13: cold start at scale)."""
+"""ConfigMapLedger: write-ahead claims, group-committed, in bulk."""
 
 from __future__ import annotations
 

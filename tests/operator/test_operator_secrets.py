@@ -106,7 +106,7 @@ async def test_the_store_secret_is_copied_where_sync_jobs_run(cluster: TestClust
 
 
 async def test_the_hf_token_secret_is_copied_where_sync_jobs_run(cluster: TestCluster, kube: KubeClient) -> None:
-    """Sync Jobs of private hf:// repositories in another namespace read HF_TOKEN there (issue 13, outcome 5)."""
+    """Sync Jobs of private hf:// repositories in another namespace read HF_TOKEN there."""
     home, team = cluster.new_namespace("home"), cluster.new_namespace("team")
     token = base64.b64encode(b"hf_private").decode()
     other = base64.b64encode(b"not copied").decode()

@@ -1,4 +1,4 @@
-"""The router when a worker process dies under a request (issue 28, outcome 5): real worker
+"""The router when a worker process dies under a request: real worker
 processes, one SIGKILLed while it generates a non-streamed answer the router forwarded to it.
 
 The request must come back whole from the other holder (a retry before the client's first byte),

@@ -1,4 +1,4 @@
-"""The router in front of a worker whose engine loop died (issue 28): the process is alive and its pod
+"""The router in front of a worker whose engine loop died: the process is alive and its pod
 still listed as ready, but every request it gets ends before its first byte with 503, which the router
 retries on another holder, streamed or not. The client sees a success.
 

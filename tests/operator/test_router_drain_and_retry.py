@@ -1,4 +1,4 @@
-"""The router through ordinary trouble (issue 28):
+"""The router through ordinary trouble:
 - a stopped router drains (a rollout, a scale-down): on SIGTERM its /ready fails at once while it keeps
   serving for the drain delay, then it stops accepting connections and lets the requests in flight finish;
 - an adapter's only holder that fails a request once (503: restarting, still loading) is tried again: the

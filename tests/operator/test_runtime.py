@@ -1,7 +1,7 @@
 """The operator runtime (index, name ownership, drift pass, ledger) against real HTTP management servers.
 
 DynamoModel and Pod bodies go through the same entry points the kopf handlers call; status
-patches are applied to in-memory objects and fed back as watch events (issue 13, outcomes 3, 4, 6).
+patches are applied to in-memory objects and fed back as watch events.
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ async def test_a_new_model_costs_one_pass_and_new_names_are_claimed_in_bulk(
 ) -> None:
     """A cold start's unit of work: one reconcile pass per new model (its status write needs no
     follow-up pass when nothing waits for it), and the ledger claims of many new models in one
-    write ahead of their loads (issue 13, outcome 6: cold start)."""
+    write ahead of their loads."""
     reconciler, ledger = cluster.runtime.reconciler, cluster.runtime.reconciler.ledger
     passes: list[str] = []
     bulk: list[set[str]] = []
@@ -281,7 +281,7 @@ async def test_own_watch_puts_one_finalizer_and_releases_it_after_unloading(
 ) -> None:
     """Against a real API server: the runtime's DynamoModel watch (not kopf) adds
     ``nvidia.com/finalizer`` once, writes nothing else to the object but its status, and on
-    deletion unloads the adapter before it removes the finalizer (issue 13, outcome 6)."""
+    deletion unloads the adapter before it removes the finalizer."""
     from lorafleet_devcluster.rawstack import install_crd
     from lorafleet_devcluster.session import shared_cluster
     from lorafleet_operator.api import FINALIZER

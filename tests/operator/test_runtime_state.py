@@ -1,4 +1,4 @@
-"""One owner per piece of operator state (issue 28, outcome 6): the object index, the rate-limited
+"""One owner per piece of operator state: the object index, the rate-limited
 work queue and the worker inventory shared by reconcile and drift, against real HTTP management servers.
 
 Unlike test_runtime.py, status writes here are NOT echoed back as watch events, as with the real
