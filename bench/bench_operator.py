@@ -59,7 +59,7 @@ def deploy(stack: Any, model_dir: Path, adapters_root: Path, workers: int) -> No
         sa="lorafleet-operator",
         probe={"httpGet": {"path": "/healthz", "port": 8080}, "periodSeconds": 2},
     )
-    stack.apply(*e2e.rbac("lorafleet-operator", e2e.OPERATOR_RULES))
+    stack.apply(*e2e.rbac("lorafleet-operator", "operator"))
     stack.apply(worker, operator)
     wait_until(lambda: any(e2e.pod_ready(p) for p in stack.pods("operator")), 300, "operator pod Ready")
     wait_until(lambda: len(stack.ready_workers()) == workers, READY_S, f"{workers} Ready workers")

@@ -4,7 +4,7 @@ Workloads, on in-process engines (the same code the worker serves; no HTTP, so T
 - chat: `--adapters` adapters picked Zipf(1.1), each with its own `--system-tokens` system prompt; each
   conversation sends `--turns` turns, each turn resending the whole history plus a new user message;
   `--concurrency` conversations run at once. One worker with the cache on / off.
-- router: the same chat workload on 3 workers, routed by the router's own policies (routing_policy.py):
+- router: the same chat workload on 3 workers, routed by the router's own policies (lorafleet_router/policy.py):
   cache-aware vs fewest-in-flight, both with the cache on.
 - no-reuse: every request a random prompt of the same length, cache on / off: what the cache costs.
   A small difference on a shared 2-core machine, so it is measured in `--noreuse-rounds` interleaved
@@ -64,7 +64,7 @@ class Fleet:
     def pick(self, adapter: str, prompt: list[int]) -> int:
         if self.policy is None:
             return 0
-        from lorafleet_operator.routing_policy import Route
+        from lorafleet_router.policy import Route
 
         keys = [str(i) for i in range(len(self.engines))]
         loads = {str(i): n for i, n in self.inflight.items()}
@@ -151,7 +151,7 @@ async def scenario(args: argparse.Namespace, *, pods: int, caching: bool, policy
         engines.append(engine)
     router = None
     if policy is not None:
-        from lorafleet_operator.routing_policy import make_policy
+        from lorafleet_router.policy import make_policy
 
         router = make_policy(policy)
     rng = random.Random(7)

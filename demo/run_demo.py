@@ -64,7 +64,7 @@ def missing_parts() -> list[str]:
             missing.append("minio (make setup builds it)")
     except ImportError as exc:
         missing.append(f"the local control plane ({exc})")
-    for module in ("lorafleet_operator.handlers", "lorafleet_operator.router", "lorafleet_devcluster.nodeagent"):
+    for module in ("lorafleet_operator.controller", "lorafleet_router.router", "lorafleet_devcluster.nodeagent"):
         try:
             __import__(module)
         except ImportError as exc:
