@@ -114,7 +114,7 @@ def profile(model: Path, scenario: str, concurrency: int, profile_steps: int) ->
     if engine.core.runner.lora_backend is not None:
         backend = engine.core.runner.lora_backend
         backend.apply = timers.wrap("lora_apply", backend.apply)
-        backend.step_runners = False  # decode steps' LoRA through the timed apply too
+        backend.step_runner = lambda pool, batch: None  # decode steps' LoRA through the timed apply too
         backend.prepare = timers.wrap("lora_prepare", backend.prepare)
 
     async def run() -> None:

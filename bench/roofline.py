@@ -238,7 +238,7 @@ class StepBreakdown:
         backend = runner.lora_backend
         if backend is not None:
             self._patch(backend, "apply", self._wrap("lora", backend.apply))
-            self._patch(backend, "step_runners", False)  # every LoRA call through the timed apply
+            self._patch(backend, "step_runner", lambda pool, batch: None)  # every LoRA call through the timed apply
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
         old = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 from lorafleet_worker.core.engine import Engine
-from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
 from lorafleet_worker.kernels import paged_attention
 from lorafleet_worker.lora.backends.triton import TritonLoRABackend
 from lorafleet_worker.lora.batch import LoRABatchInfo
 from lorafleet_worker.model.quantization import METHODS as QUANTIZATIONS
 from lorafleet_worker.sample.params import SamplingParams, TokenOutput
+from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
 
 PROMPT = [5, 17, 42, 99, 7, 63, 120, 11, 250, 31, 8, 77, 140, 3, 19, 56, 200, 64, 12, 90]
 MAX_TOKENS = 6

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from lorafleet_worker.core.engine import Engine
-from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
 from lorafleet_worker.sample.params import SamplingParams
+from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
 
 SHARED = [5, 17, 42, 99, 7, 63, 120, 11, 250, 31, 8, 77, 140, 3, 19, 56]  # four blocks of 4
 SUFFIXES = [[200, 64], [12, 90, 33]]

@@ -16,10 +16,10 @@ from lorafleet_worker.core.kv_cache import PagedKVCache
 from lorafleet_worker.core.kv_cache_manager import KVCacheManager
 from lorafleet_worker.core.request import Sequence
 from lorafleet_worker.core.step import ScheduledChunk, StepPlan
-from lorafleet_worker_dev.tiny import make_tiny_model
 from lorafleet_worker.model import Transformer
 from lorafleet_worker.ops import cpu_attention
 from lorafleet_worker.sample.params import SamplingParams
+from lorafleet_worker_dev.tiny import make_tiny_model
 from safetensors.torch import load_file, save_file
 
 CPU = torch.device("cpu")

@@ -47,6 +47,9 @@ class _Request:
 
 
 class Engine:
+    """The engine's asyncio face: requests in, token streams out, adapters loaded and removed; the parts it
+    steps are `core` (engine_core.EngineCore), touched only by the step loop's thread."""
+
     # every torch op of the setup runs on a thread that ends with it, so that its OpenMP pool does not outlive
     # it and throttle the step loop's (omp_threads.py)
     @on_fresh_thread

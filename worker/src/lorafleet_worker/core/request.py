@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from lorafleet_worker.sample.params import SamplingParams
 from lorafleet_worker.sample.sampler import SamplingState
 from lorafleet_worker.structured.grammar import CompiledGrammar
@@ -55,7 +57,7 @@ class Sequence:
         adapter: str | None = None,
         ref: Any = None,
         grammar: CompiledGrammar | None = None,
-        device: Any = None,
+        device: torch.device | None = None,
     ) -> Sequence:
         """A new request over `prompt_token_ids`, with its sampling state built from `params`."""
         return cls(

@@ -87,14 +87,13 @@ class ForwardBatch:
 class LoRAContext:
     """The step's LoRA state: backend (torch / triton), slot pool and per-step batch info."""
 
-    backend: Any  # lora.backend.LoRABackend
+    backend: Any  # lora.backends.LoRABackend
     pool: Any  # lora.pool.LoRAPool, pool.weights(layer, group) -> LoRAProjWeights
     batch: Any  # lora.batch.LoRABatchInfo
     run: Any = field(init=False, default=None)  # the backend's fast path for this step (`step_runner`), or None
 
     def __post_init__(self) -> None:
-        make = getattr(self.backend, "step_runner", None)
-        self.run = make(self.pool, self.batch) if make is not None else None
+        self.run = self.backend.step_runner(self.pool, self.batch)
 
     def apply(self, layer: int, group: str, x: Tensor, out: Tensor) -> None:
         if self.run is not None:

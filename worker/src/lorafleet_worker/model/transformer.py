@@ -69,9 +69,8 @@ Matmul2d = Callable[[Tensor, Tensor | None], Tensor]  # x [T, in], bias -> x @ W
 class CpuDecodeLayer:
     """What a decode-only CPU step calls for one layer, looked up once (`Transformer.cpu_decode_layers`).
 
-    The fast path of a one-user step: `DecoderLayer.forward` spends ~50 µs of Python a layer on module
-    attribute look-ups, per-call wrappers and branches, which the real model's 30 layers turn into 1.5 ms of
-    a ~15 ms bf16 step. The same ops in the same order, so the logits are the same bits as `forward`'s.
+    The fast path of a one-user step: it skips the module attribute look-ups, per-call wrappers and branches
+    of `DecoderLayer.forward`. The same ops in the same order, so the logits are the same bits as `forward`'s.
     """
 
     idx: int
@@ -327,8 +326,8 @@ class Transformer(nn.Module):
 
     def _rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos / sin [T, 1, head_dim] of `positions`. On CPU they are rows of tables of every position so far
-        (vLLM's cos_sin_cache), grown by doubling: one index a step instead of ten small ops (~80 µs at one
-        token); the tables are `rope_cos_sin` of those positions, value for value."""
+        (vLLM's cos_sin_cache), grown by doubling: one index a step instead of ten small ops; the tables are
+        `rope_cos_sin` of those positions, value for value."""
         if positions.device.type != "cpu" or positions.numel() == 0:  # CUDA: no max() sync on the step
             return rope_cos_sin(positions, self.inv_freq, self.rope_scale, self.dtype)
         need = int(positions.max()) + 1
