@@ -252,6 +252,18 @@ class WorkerSettings:
         env="LORAFLEET_ADMIN_TOKEN",
     )
     lora_enabled: bool = option(True, help="set to false to refuse adapter loads", env="DYN_LORA_ENABLED")
+    api_key: str | None = field(  # never in repr (api/auth.py checks it)
+        default=None,
+        repr=False,
+        metadata=option(
+            None,
+            "--api-key",
+            help="inference API key as vLLM's: /v1/* requests need 'Authorization: Bearer KEY'",
+            env="LORAFLEET_API_KEY",
+            shown="$VLLM_API_KEY, else none (no key needed)",
+            metavar="KEY",
+        ).metadata,
+    )
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -304,9 +316,14 @@ class WorkerSettings:
         the environment-only fields; resolves --chat-template and the admin token. ValueError when invalid."""
         env = os.environ if env is None else env
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.metadata["flags"]}
+        for f in dataclasses.fields(cls):
+            raw = env.get(f.metadata["env"] or "", "").strip()
+            if not f.metadata["flags"] and raw:
+                values[f.name] = _enabled(raw) if isinstance(f.default, bool) else raw
         values["chat_template"] = read_chat_template(values["chat_template"])
-        values["admin_token"] = read_admin_token(values["admin_token_file"], env)
-        values["lora_enabled"] = _enabled(env.get("DYN_LORA_ENABLED", "true"))
+        values["api_key"] = values["api_key"] or env.get("VLLM_API_KEY", "").strip() or None  # vLLM's variable
+        if values["admin_token_file"] is not None:  # the file wins over $LORAFLEET_ADMIN_TOKEN
+            values["admin_token"] = read_token_file(values["admin_token_file"])
         settings = cls(**values)
         settings.validate()
         return settings
@@ -315,19 +332,15 @@ class WorkerSettings:
 DEFAULTS = WorkerSettings(model_dir=Path())  # the defaults, by field name (the engine's keyword defaults)
 
 
-def read_admin_token(token_file: Path | None, env: Mapping[str, str] | None = None) -> str | None:
-    """The file's token when a file is given, else $LORAFLEET_ADMIN_TOKEN (None: no token); ValueError when the
-    file cannot be read or is empty."""
-    env = os.environ if env is None else env
-    if token_file is not None:
-        try:
-            token = Path(token_file).read_text().strip()
-        except OSError as e:
-            raise ValueError(f"cannot read --admin-token-file: {e.strerror}") from e
-        if not token:
-            raise ValueError(f"--admin-token-file {token_file} is empty")
-        return token
-    return env.get("LORAFLEET_ADMIN_TOKEN", "").strip() or None
+def read_token_file(path: Path) -> str:
+    """The token in `path` (--admin-token-file); ValueError when it cannot be read or is empty."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read --admin-token-file: {e.strerror}") from e
+    if not token:
+        raise ValueError(f"--admin-token-file {path} is empty")
+    return token
 
 
 def read_chat_template(value: str | None) -> str | None:

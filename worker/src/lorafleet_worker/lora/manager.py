@@ -1,9 +1,12 @@
-"""AdapterManager: adapter registry (versions for hot swap), CPU tier (LRU) and GPU slots (LRU + pins).
+"""AdapterManager: the worker's one adapter registry (names, versions for hot swap, where each came from), the
+CPU tier (LRU) and the GPU slots (LRU + pins; there are `max_loras` of them, the only limit on adapters per step).
 
 Life of an adapter version: `load` validates it and puts its weights in the CPU tier; `acquire`
-takes a reference on the name's current version (a request holds it until `release`); `activate`
-puts the version in a GPU slot and pins the slot. A pinned slot is never evicted. A version that
-was replaced (hot swap) or removed lives on until its last reference is released.
+takes a reference on the name's current version (a request takes it when it is submitted, so a later hot swap
+does not change it, and the scheduler releases it when the request ends); `activate` puts the version in a GPU
+slot and pins the slot. The version records its slot (the only record: refs and requests read it). A pinned
+slot is never evicted. A version that was replaced (hot swap) or removed lives on until its last reference is
+released.
 
 Disk reads never happen under the manager's lock nor on the caller of `activate` (the engine step):
 `load` reads before taking the lock, and a version whose weights the CPU tier dropped is read back by
