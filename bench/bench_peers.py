@@ -1,8 +1,8 @@
-"""lorafleet side by side with llama.cpp's llama-server (issue 29): one harness, the same token-id prompts.
+"""lorafleet side by side with llama.cpp's llama-server and vLLM's OpenAI server: one harness, the same prompts.
 
-Both servers run the real model (SmolLM2-135M-Instruct) on this machine, each alone, with the same
-threads; the harness is one async HTTP client that streams `/v1/completions` from either (prompt as
-token ids, 128 of them, 64 output tokens, greedy, `ignore_eos`). Scenarios:
+The servers (`--servers`, default all three) run the real model (SmolLM2-135M-Instruct) on this machine, each
+alone, with the same threads; the harness is one async HTTP client that streams `/v1/completions` from each
+(prompt as token ids, 128 of them, 64 output tokens, greedy, `ignore_eos`). Scenarios:
   base      no adapter
   one       one adapter (the trained `french`: rank 16, all seven projections)
   trained4  the four trained adapters (ranks 8-32, different target modules), round-robin
@@ -13,10 +13,14 @@ generated adapters of the same ranks and targets stand in (the JSON says which).
 
 Precision pairs (`--pairs`): lorafleet's weights : llama.cpp's GGUF, e.g. f32:F32, bf16:BF16, int8:Q8_0
 (int8 = `--quantization int8` with bfloat16 activations; w8a8 = `--quantization w8a8_int8`, 8-bit activations
-in batches as Q8_0 computes them). Each (pair, scenario) first checks greedy
-agreement (a few real-text prompts, base and up to four adapters), then times concurrency 1, 8 and 32
-on each server in turn (interleaved when `--rounds` > 1): output tokens per second of wall time
-(prefill included), TTFT and inter-token latency p50/p99, and the server's peak RSS.
+in batches as Q8_0 computes them). vLLM (bench/vllm_server.py) runs the f32 and bf16 pairs only, at that
+dtype, with `--enable-lora --max-loras N --max-lora-rank R --lora-modules name=path ...`; its OpenMP threads
+are placed each way of `--vllm-bind` (cores, reserve1, nobind: its CPU guide's ways), each a server of its own
+(`vllm/<bind>`), and the summary keeps the better one per cell. Each (pair, scenario) first checks greedy
+agreement with lorafleet (a few real-text prompts, base and up to four adapters), then times concurrency 1, 8
+and 32 on each server in turn (interleaved when `--rounds` > 1): output tokens per second of wall time
+(prefill included), TTFT and inter-token latency p50/p99, and the server's peak RSS (the sum of its
+processes' peaks: vLLM's engine runs in a child of its API server).
 
 `--paired N` measures each concurrency differently: both servers stay up (the idle one waits on its socket; the
 CPU seconds it spends meanwhile are recorded, so "alone" is checked), and N passes of each alternate A B B A ...,
@@ -27,27 +31,33 @@ this compares the servers under the same drift, where separate rounds compare tw
     python bench/bench_peers.py                      # writes bench/peers.json
     python bench/bench_peers.py --pairs f32:F32 --scenarios base one --concurrency 1
     python bench/bench_peers.py --pairs bf16:BF16 --scenarios base one --concurrency 1 --paired 24
+    python bench/bench_peers.py --servers lorafleet vllm --pairs bf16:BF16 --scenarios base one --concurrency 1
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import itertools
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import llama_cpp
+import vllm_server
 from common import MIXED_RANKS, bench_adapter, log, machine, percentile, read_json, real_model, write_json
 
 PROMPT_LEN = 128
@@ -55,6 +65,8 @@ OUTPUT_LEN = 64
 SLOT_CTX = 256  # per llama.cpp slot / lorafleet --max-model-len: prompt + output + margin
 QV_RANKS = (8, 8, 8, 16)
 SCENARIOS = ("base", "one", "trained4", "qv16", "mixed16")
+SERVERS = ("lorafleet", "llama.cpp", "vllm")
+PEER_KEYS = {"llama.cpp": "llama", "vllm": "vllm"}  # a peer's prefix in the summary rows (llama_tok_s, ...)
 LORAFLEET_PRECISIONS: dict[str, list[str]] = {
     "f32": ["--dtype", "float32"],
     "bf16": ["--dtype", "bfloat16"],
@@ -110,7 +122,7 @@ def scenario_adapters(scenario: str, model: Path, trained: dict[str, Path]) -> l
 class Server:
     """One running server: how to name the base model or an adapter in a request, and its process."""
 
-    system: str  # "lorafleet" or "llama.cpp"
+    system: str  # "lorafleet", "llama.cpp" or "vllm/<bind>"
     url: str
     proc: subprocess.Popen[bytes]
     adapter_ids: dict[str, int] = field(default_factory=dict)  # llama.cpp: adapter name -> --lora index
@@ -119,7 +131,7 @@ class Server:
         """A greedy /v1/completions body; streamed (timed) requests ignore EOS so every one is OUTPUT_LEN long."""
         body: dict[str, Any] = {"model": "base", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                                 "stream": stream, "ignore_eos": stream}  # fmt: skip
-        if self.system == "lorafleet":
+        if self.system != "llama.cpp":  # lorafleet and vLLM name the adapter (or the base model) as the model
             body["model"] = adapter or "base"
         else:  # llama.cpp picks adapters per request by --lora index; unlisted ones get scale 0. An empty list
             # means "the server's defaults" (every --lora at scale 1), so the base model lists each at scale 0.
@@ -131,34 +143,46 @@ class Server:
         return body
 
     def peak_rss_mib(self) -> float | None:
-        """VmHWM of the server process (its peak resident memory)."""
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return round(int(line.split()[1]) / 1024, 1)
-        except OSError:
-            pass
-        return None
+        """The sum of VmHWM (peak resident memory) over the server's process and its live descendants (vLLM's
+        engine runs in a child of its API server); shared pages count once per process."""
+        total = 0
+        for pid in self.pids(_proc_stats()[0]):
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        total += int(line.split()[1])
+            except OSError:
+                pass
+        return round(total / 1024, 1) if total else None
 
     def cpu_s(self) -> float:
         """CPU seconds (user + system) that the server's process and its live descendants have used."""
-        tick = os.sysconf("SC_CLK_TCK")
-        children: dict[int, list[int]] = {}
-        used: dict[int, int] = {}
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rpartition(")")[2].split()
-            except OSError:
-                continue
-            pid = int(stat.parent.name)
-            children.setdefault(int(fields[1]), []).append(pid)  # fields[1] is the ppid
-            used[pid] = int(fields[11]) + int(fields[12])  # utime + stime
-        total, todo = 0, [self.proc.pid]
+        children, used = _proc_stats()
+        return sum(used.get(pid, 0) for pid in self.pids(children)) / os.sysconf("SC_CLK_TCK")
+
+    def pids(self, children: dict[int, list[int]]) -> list[int]:
+        """The server's process and its live descendants, from every process's children."""
+        out, todo = [], [self.proc.pid]
         while todo:
             pid = todo.pop()
-            total += used.get(pid, 0)
+            out.append(pid)
             todo.extend(children.get(pid, []))
-        return total / tick
+        return out
+
+
+def _proc_stats() -> tuple[dict[int, list[int]], dict[int, int]]:
+    """Every live process's children, and its CPU clock ticks (user + system)."""
+    children: dict[int, list[int]] = {}
+    used: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        children.setdefault(int(fields[1]), []).append(pid)  # fields[1] is the ppid
+        used[pid] = int(fields[11]) + int(fields[12])  # utime + stime
+    return children, used
 
 
 def start_lorafleet(
@@ -217,10 +241,44 @@ def start_llama(
     return Server("llama.cpp", url, proc, {name: i for i, (name, _) in enumerate(adapters)})
 
 
+def start_vllm(
+    model: Path, adapters: list[tuple[str, Path]], dtype: str, workdir: Path, tag: str, bind: str, threads: int,
+    kv_cache_gib: int,
+) -> Server:  # fmt: skip
+    """vLLM's OpenAI server on the first `threads` CPUs this process may use, its threads placed as `bind` says."""
+    from lorafleet_worker_dev.launch import free_port
+
+    port = free_port("127.0.0.1")
+    cmd = vllm_server.server_command(model, adapters, port=port, dtype=dtype, max_num_seqs=32, max_model_len=SLOT_CTX)
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    env = {**os.environ, **vllm_server.server_env(bind, cpus, kv_cache_gib)}
+    log_path = workdir / f"vllm-{tag}-{bind}.log"
+    proc = subprocess.Popen(cmd, stdout=log_path.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = Server(f"vllm/{bind}", f"http://127.0.0.1:{port}", proc)
+    deadline = time.monotonic() + vllm_server.START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            stop(server)
+            raise RuntimeError(f"vLLM exited with {proc.returncode}; log: {log_path}")
+        try:
+            with urllib.request.urlopen(f"{server.url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return server
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            stop(server)
+            raise RuntimeError(f"vLLM was not healthy after {vllm_server.START_TIMEOUT_S} s; log: {log_path}")
+        time.sleep(0.5)
+
+
 def stop(server: Server) -> None:
+    """SIGTERM and wait (SIGKILL if it hangs); then end what is left of its session (vLLM's engine process)."""
     from lorafleet_worker_dev.launch import stop_worker
 
     stop_worker(server.proc)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(server.proc.pid, signal.SIGKILL)  # every server starts its own session, whose id is its pid
 
 
 # ---------------------------------------------------------------------------------------------- client
@@ -312,8 +370,6 @@ def run_pair(
     precision, ftype = pair.split(":")
     adapters = scenario_adapters(scenario, model, trained)
     adapter_names = [name for name, _ in adapters]
-    ggufs = [llama_cpp.adapter_gguf(path, model) for _, path in adapters]
-    base = llama_cpp.base_gguf(ftype)
     names: list[str | None] = [None, *(n for n, _ in adapters[:CHECK_ADAPTERS])] if scenario != "base" else [None]
     from lorafleet_worker.tokenizer import Tokenizer
 
@@ -321,10 +377,9 @@ def run_pair(
     check_prompts = [tok.encode(p) for p in CHECK_PROMPTS]
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     result: dict[str, Any] = {"pair": pair, "scenario": scenario, "adapters": len(adapters), "runs": {}}
-    starts = {
-        "lorafleet": lambda: start_lorafleet(model, adapters, precision, workdir, args.threads),
-        "llama.cpp": lambda: start_llama(base, adapters, ggufs, workdir, f"{ftype}-{scenario}", args.threads),
-    }
+    starts = server_starts(args.servers, precision, ftype, scenario, model, adapters, workdir, args)
+    if "vllm" in args.servers and precision not in vllm_server.DTYPES:
+        result["vllm_skipped"] = f"vLLM has no peer of {precision} here (it runs {', '.join(vllm_server.DTYPES)})"
     if args.paired:
         servers: dict[str, Server] = {}
         try:
@@ -333,7 +388,7 @@ def run_pair(
                 servers[system] = start()
             if args.check:
                 texts = {system: asyncio.run(_texts(sv, names, check_prompts)) for system, sv in servers.items()}
-                result["greedy"] = _agreement(texts, names)
+                result.update(_agreements(texts, names))
             for c in args.concurrency:
                 result.setdefault("paired", {})[str(c)] = paired_passes(servers, c, args.paired, vocab, adapter_names)
             result["peak_rss_mib"] = {system: sv.peak_rss_mib() for system, sv in servers.items()}
@@ -341,14 +396,15 @@ def run_pair(
             for sv in servers.values():
                 stop(sv)
         return result
+    texts: dict[str, list[str]] = {}
     for rnd in range(args.rounds):
-        order = ["lorafleet", "llama.cpp"] if rnd % 2 == 0 else ["llama.cpp", "lorafleet"]
+        order = list(starts) if rnd % 2 == 0 else list(reversed(starts))
         for system in order:
             log(f"{pair} {scenario}: {system} round {rnd + 1}")
             server = starts[system]()
             try:
                 if rnd == 0 and args.check:
-                    result.setdefault("check_texts", {})[system] = asyncio.run(_texts(server, names, check_prompts))
+                    texts[system] = asyncio.run(_texts(server, names, check_prompts))
                 runs = result["runs"].setdefault(system, {})
                 for c in args.concurrency:
                     n = max(4, c)
@@ -361,9 +417,32 @@ def run_pair(
                 result.setdefault("peak_rss_mib", {})[system] = server.peak_rss_mib()
             finally:
                 stop(server)
-    if "check_texts" in result and len(result["check_texts"]) == 2:
-        result["greedy"] = _agreement(result.pop("check_texts"), names)
+    result.update(_agreements(texts, names))
     return result
+
+
+def server_starts(
+    servers: list[str], precision: str, ftype: str, scenario: str, model: Path, adapters: list[tuple[str, Path]],
+    workdir: Path, args: argparse.Namespace,
+) -> dict[str, Callable[[], Server]]:  # fmt: skip
+    """How to start each server of this (pair, scenario), by name: lorafleet first, then llama.cpp, then vLLM in
+    each `--vllm-bind` placement (`vllm/<bind>`); vLLM only at the precisions it has (f32, bf16)."""
+    starts: dict[str, Callable[[], Server]] = {}
+    if "lorafleet" in servers:
+        starts["lorafleet"] = lambda: start_lorafleet(model, adapters, precision, workdir, args.threads)
+    if "llama.cpp" in servers:
+        ggufs = [llama_cpp.adapter_gguf(path, model) for _, path in adapters]
+        base = llama_cpp.base_gguf(ftype)
+        tag = f"{ftype}-{scenario}"
+        starts["llama.cpp"] = lambda: start_llama(base, adapters, ggufs, workdir, tag, args.threads)
+    if "vllm" in servers and precision in vllm_server.DTYPES:
+        dtype = vllm_server.DTYPES[precision]
+        for bind in args.vllm_bind:
+            starts[f"vllm/{bind}"] = functools.partial(
+                start_vllm, model, adapters, dtype, workdir, f"{precision}-{scenario}", bind, args.threads,
+                args.vllm_kv_cache_gib,
+            )  # fmt: skip
+    return starts
 
 
 def adapter_picks(names: list[str], n: int) -> list[str | None]:
@@ -372,8 +451,9 @@ def adapter_picks(names: list[str], n: int) -> list[str | None]:
 
 
 def paired_passes(servers: dict[str, Server], c: int, n: int, vocab: int, adapters: list[str]) -> dict[str, Any]:
-    """`n` passes of `max(4, c)` requests (one for c = 1) on each server, alternating A B B A ...; each pass's
-    prompts are the same for both. Ratios are lorafleet ÷ llama.cpp per pair: median and bootstrap 95 % interval."""
+    """`n` passes of `max(4, c)` requests (one for c = 1) on each server, alternating A B B A ... (A B C C B A
+    with three); each pass's prompts are the same for all. Ratios are lorafleet ÷ each peer per pass: median and
+    bootstrap 95 % interval (`by_peer`; llama.cpp's also at the top level, as the report reads them)."""
     size = 1 if c == 1 else max(4, c)
     picks = adapter_picks(adapters, size)
     for sv in servers.values():  # warm-up: an adapter into a slot, the first-request costs
@@ -381,30 +461,34 @@ def paired_passes(servers: dict[str, Server], c: int, n: int, vocab: int, adapte
     passes: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
     for i in range(n):
         prompts = random_prompts(size, seed=10_000 + 100 * c + i, vocab=vocab)
-        order = ["lorafleet", "llama.cpp"] if i % 4 in (0, 3) else ["llama.cpp", "lorafleet"]
+        order = list(servers) if i % 4 in (0, 3) else list(reversed(servers))
         for system in order:
-            idle = next(sv for name, sv in servers.items() if name != system)
-            idle_before, busy_before, client_before = idle.cpu_s(), servers[system].cpu_s(), time.process_time()
+            idle = [sv for name, sv in servers.items() if name != system]
+            idle_before = sum(sv.cpu_s() for sv in idle)
+            busy_before, client_before = servers[system].cpu_s(), time.process_time()
             got = asyncio.run(timed_pass(servers[system], prompts, picks, c))
-            got["idle_peer_cpu_s"] = round(idle.cpu_s() - idle_before, 3)
+            got["idle_peer_cpu_s"] = round(sum(sv.cpu_s() for sv in idle) - idle_before, 3)  # the others, together
             # the server's CPU seconds in the pass, and the harness's own (it shares the cores with the server)
             got["server_cpu_s"] = round(servers[system].cpu_s() - busy_before, 3)
             got["client_cpu_s"] = round(time.process_time() - client_before, 3)
             passes[system].append(got)
-        a, b = passes["lorafleet"][-1], passes["llama.cpp"][-1]
-        log(f"  c={c} pair {i + 1}/{n}: ITL p50 {a['itl_p50_ms']} vs {b['itl_p50_ms']} ms (load {b['loadavg_1']})")
-    ours, theirs = passes["lorafleet"], passes["llama.cpp"]
-    itl = [a["itl_p50_ms"] / b["itl_p50_ms"] for a, b in zip(ours, theirs, strict=True)]
-    tok = [a["tok_s"] / b["tok_s"] for a, b in zip(ours, theirs, strict=True)]
-    return {
-        "passes": passes,
-        "pairs": n,
-        "requests_per_pass": size,
-        "itl_ratio": ratio_summary(itl),
-        "tok_s_ratio": ratio_summary(tok),
-        "itl_p50_ms": {name: round(statistics.median(p["itl_p50_ms"] for p in ps), 2) for name, ps in passes.items()},
-        "idle_peer_cpu_s_max": max(p["idle_peer_cpu_s"] for ps in passes.values() for p in ps),
-    }
+        itl = ", ".join(f"{name} {ps[-1]['itl_p50_ms']}" for name, ps in passes.items())
+        log(f"  c={c} pass {i + 1}/{n}: ITL p50 ms {itl} (load {os.getloadavg()[0]:.2f})")
+    result: dict[str, Any] = {"passes": passes, "pairs": n, "requests_per_pass": size, "by_peer": {}}
+    ours = passes.get("lorafleet")
+    for peer, theirs in passes.items():
+        if ours is None or peer == "lorafleet":
+            continue
+        result["by_peer"][peer] = {
+            "itl_ratio": ratio_summary([a["itl_p50_ms"] / b["itl_p50_ms"] for a, b in zip(ours, theirs, strict=True)]),
+            "tok_s_ratio": ratio_summary([a["tok_s"] / b["tok_s"] for a, b in zip(ours, theirs, strict=True)]),
+        }
+    if "llama.cpp" in result["by_peer"]:
+        result.update(result["by_peer"]["llama.cpp"])
+    result["itl_p50_ms"] = {name: round(statistics.median(p["itl_p50_ms"] for p in ps), 2)
+                            for name, ps in passes.items()}  # fmt: skip
+    result["idle_peer_cpu_s_max"] = max(p["idle_peer_cpu_s"] for ps in passes.values() for p in ps)
+    return result
 
 
 def ratio_summary(ratios: list[float], resamples: int = 2000) -> dict[str, Any]:
@@ -424,8 +508,19 @@ async def _texts(server: Server, names: list[str | None], prompts: list[list[int
         return [await complete(client, server, p, n) for n in names for p in prompts]
 
 
-def _agreement(texts: dict[str, list[str]], names: list[str | None]) -> list[dict[str, Any]]:
-    ours, theirs = texts["lorafleet"], texts["llama.cpp"]
+def _agreements(texts: dict[str, list[str]], names: list[str | None]) -> dict[str, Any]:
+    """Each peer's greedy texts against lorafleet's: `greedy_by_server` (and llama.cpp's as `greedy`)."""
+    if "lorafleet" not in texts:
+        return {}
+    by_server = {system: _agreement(texts["lorafleet"], theirs, names)
+                 for system, theirs in texts.items() if system != "lorafleet"}  # fmt: skip
+    out: dict[str, Any] = {"greedy_by_server": by_server} if by_server else {}
+    if "llama.cpp" in by_server:
+        out["greedy"] = by_server["llama.cpp"]
+    return out
+
+
+def _agreement(ours: list[str], theirs: list[str], names: list[str | None]) -> list[dict[str, Any]]:
     per = len(CHECK_PROMPTS)
     rows = []
     for i, name in enumerate(names):
@@ -441,33 +536,48 @@ def _common_prefix(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """lorafleet / llama.cpp per (pair, scenario, concurrency): tok/s and ITL p50 ratios (paired passes: the
-    median of the per-pair ratios with its 95 % interval, tok/s the median pass of each; rounds: best round)."""
+def peer_systems(peer: str, systems: Any) -> list[str]:
+    """The servers of `peer` among `systems`: llama.cpp is one; vLLM is one per placement (`vllm/<bind>`)."""
+    return [s for s in systems if s == peer or s.startswith(f"{peer}/")]
+
+
+def summarize(results: list[dict[str, Any]], peer: str = "llama.cpp") -> list[dict[str, Any]]:
+    """lorafleet / `peer` per (pair, scenario, concurrency): tok/s and ITL p50 ratios (paired passes: the median of
+    the per-pair ratios with its 95 % interval, tok/s the median pass of each; rounds: best round). Where the peer
+    ran in several placements (vLLM's binds), the row is the placement with the higher tok/s, named in `bind`."""
+    key = PEER_KEYS[peer]
     rows = []
     for r in results:
         for c, p in r.get("paired", {}).items():
             tok_s = {name: round(statistics.median(x["tok_s"] for x in xs), 2) for name, xs in p["passes"].items()}
-            rows.append({
+            systems = peer_systems(peer, p["passes"])
+            if "lorafleet" not in tok_s or not systems:
+                continue
+            best = max(systems, key=lambda s: tok_s[s])
+            ratios = p.get("by_peer", {}).get(best) or {"itl_ratio": p["itl_ratio"], "tok_s_ratio": p["tok_s_ratio"]}
+            row = {
                 "pair": r["pair"], "scenario": r["scenario"], "concurrency": int(c), "paired": p["pairs"],
-                "lorafleet_tok_s": tok_s["lorafleet"], "llama_tok_s": tok_s["llama.cpp"],
-                "lorafleet_itl_p50_ms": p["itl_p50_ms"]["lorafleet"], "llama_itl_p50_ms": p["itl_p50_ms"]["llama.cpp"],
-                "itl_ratio": p["itl_ratio"]["median"], "itl_ratio_ci95": p["itl_ratio"]["ci95"],
-                "tok_s_ratio": p["tok_s_ratio"]["median"], "tok_s_ratio_ci95": p["tok_s_ratio"]["ci95"],
-            })  # fmt: skip
+                "lorafleet_tok_s": tok_s["lorafleet"], f"{key}_tok_s": tok_s[best],
+                "lorafleet_itl_p50_ms": p["itl_p50_ms"]["lorafleet"], f"{key}_itl_p50_ms": p["itl_p50_ms"][best],
+                "itl_ratio": ratios["itl_ratio"]["median"], "itl_ratio_ci95": ratios["itl_ratio"]["ci95"],
+                "tok_s_ratio": ratios["tok_s_ratio"]["median"], "tok_s_ratio_ci95": ratios["tok_s_ratio"]["ci95"],
+            }  # fmt: skip
+            rows.append(row | ({"bind": best.partition("/")[2]} if best != peer else {}))
         for c, ours in r["runs"].get("lorafleet", {}).items():
-            theirs = r["runs"].get("llama.cpp", {}).get(c)
+            theirs = {s: r["runs"][s][c] for s in peer_systems(peer, r["runs"]) if r["runs"][s].get(c)}
             if not theirs:
                 continue
-            a, b = max(ours, key=lambda x: x["tok_s"]), max(theirs, key=lambda x: x["tok_s"])
+            best = max(theirs, key=lambda s: max(x["tok_s"] for x in theirs[s]))
+            a, b = max(ours, key=lambda x: x["tok_s"]), max(theirs[best], key=lambda x: x["tok_s"])
             itl = a["itl_p50_ms"] / b["itl_p50_ms"] if a["itl_p50_ms"] and b["itl_p50_ms"] else None
-            rows.append({
+            row = {
                 "pair": r["pair"], "scenario": r["scenario"], "concurrency": int(c),
-                "lorafleet_tok_s": a["tok_s"], "llama_tok_s": b["tok_s"],
+                "lorafleet_tok_s": a["tok_s"], f"{key}_tok_s": b["tok_s"],
                 "tok_s_ratio": round(a["tok_s"] / b["tok_s"], 2),
-                "lorafleet_itl_p50_ms": a["itl_p50_ms"], "llama_itl_p50_ms": b["itl_p50_ms"],
+                "lorafleet_itl_p50_ms": a["itl_p50_ms"], f"{key}_itl_p50_ms": b["itl_p50_ms"],
                 "itl_ratio": None if itl is None else round(itl, 2),
-            })  # fmt: skip
+            }  # fmt: skip
+            rows.append(row | ({"bind": best.partition("/")[2]} if best != peer else {}))
     return rows
 
 
@@ -484,15 +594,23 @@ def main() -> None:
     pairs_help = "LORAFLEET:GGUF (default: %(default)s; w8a8:Q8_0 where the CPU has AVX512-VNNI)"
     parser.add_argument("--pairs", nargs="+", default=default_pairs(), help=pairs_help)
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS,
+                        help="lorafleet and its peers (default: all); vLLM runs the f32 and bf16 pairs")  # fmt: skip
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="per server (default: all CPUs)")
+    parser.add_argument("--vllm-bind", nargs="+", default=["cores", "reserve1"], choices=vllm_server.BINDS,
+                        help="vLLM's OpenMP placements, each a server (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--vllm-kv-cache-gib", type=int, default=vllm_server.KV_CACHE_GIB,
+                        help="VLLM_CPU_KVCACHE_SPACE (default %(default)s GiB; 32 x 256 tokens need 0.2)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1, help="rounds per server, interleaved (default 1)")
     parser.add_argument("--paired", type=int, default=0, metavar="N",
-                        help="both servers up, N alternating passes each, ratios per pair (default: off)")  # fmt: skip
+                        help="all servers up, N alternating passes each, ratios per pair (default: off)")  # fmt: skip
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the greedy agreement check")
     parser.add_argument("--out", default="peers", help="bench/<out>.json (default peers)")
     parser.add_argument("--merge", action="store_true", help="keep the other (pair, scenario) results of --out")
     args = parser.parse_args()
+    if "lorafleet" not in args.servers:
+        parser.error("--servers: lorafleet is what the peers are compared with; name it too")
     for pair in args.pairs:
         precision, ftype = pair.partition(":")[::2]
         if precision not in LORAFLEET_PRECISIONS or ftype not in llama_cpp.FTYPES:
@@ -500,12 +618,23 @@ def main() -> None:
                 f"--pairs {pair}: want LORAFLEET:GGUF with {sorted(LORAFLEET_PRECISIONS)} and {llama_cpp.FTYPES}"
             )
     payload: dict[str, Any] = {"machine": machine(), "llama_cpp": llama_cpp.VERSION, "threads": args.threads,
-                               "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN}  # fmt: skip
-    try:
-        llama_cpp.build()
-    except llama_cpp.Unavailable as e:
-        payload["skipped"] = str(e)
-        write_json(args.out, payload)
+                               "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "servers": args.servers}  # fmt: skip
+    if "llama.cpp" in args.servers:
+        try:
+            llama_cpp.build()
+        except llama_cpp.Unavailable as e:
+            payload["skipped"] = str(e)
+            args.servers.remove("llama.cpp")
+    if "vllm" in args.servers:
+        try:
+            vllm_server.install()
+            payload["vllm"] = {"version": vllm_server.VERSION, "binds": args.vllm_bind,
+                               "kv_cache_gib": args.vllm_kv_cache_gib, "tcmalloc": vllm_server.tcmalloc()}  # fmt: skip
+        except vllm_server.Unavailable as e:
+            payload["vllm_skipped"] = str(e)
+            args.servers.remove("vllm")
+    if args.servers == ["lorafleet"]:
+        write_json(args.out, payload)  # no peer could be built here: the skips say why
         return
     model = real_model()
     trained, is_trained = trained_or_generated(model)
@@ -519,7 +648,8 @@ def main() -> None:
         for scenario in args.scenarios:
             results.append(run_pair(pair, scenario, model, trained, args, workdir))
             payload["results"] = results
-            payload["ratios"] = summarize(results)
+            payload["ratios"] = summarize(results, "llama.cpp")
+            payload["vllm_ratios"] = summarize(results, "vllm")
             write_json(args.out, payload)  # after each scenario: a long run keeps what it measured
     payload["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     write_json(args.out, payload)

