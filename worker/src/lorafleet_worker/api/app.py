@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from lorafleet_worker.api.auth import with_api_key
 from lorafleet_worker.api.inference import build_inference_app
 from lorafleet_worker.api.management import build_management_app
 from lorafleet_worker.service import WorkerService, WorkerSettings
@@ -35,7 +36,7 @@ async def run_worker(settings: WorkerSettings) -> int:
     """Serve until SIGINT/SIGTERM; the model loads in the background (`/ready` says when). Returns an exit code."""
     service = WorkerService(settings)
     servers = [
-        http_server(build_inference_app(service), settings.host, settings.port),
+        http_server(with_api_key(build_inference_app(service), settings.api_key), settings.host, settings.port),
         http_server(build_management_app(service), settings.host, settings.system_port),
     ]
     stop = asyncio.Event()
