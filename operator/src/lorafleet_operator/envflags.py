@@ -17,7 +17,8 @@ from typing import Any, Self
 
 
 def setting(default: Any, env: str, help: str, **kw: Any) -> Any:
-    """A settings field: its default, its environment variable, its help (``secret=True``: never shown)."""
+    """A settings field: its default, its environment variable, its help (``secret=True``: never shown;
+    ``fallback_env=("NAME",)``: variables read, in order, when ``env`` is unset)."""
     return field(default=default, metadata={"env": env, "help": help, **kw})
 
 
@@ -39,8 +40,9 @@ class EnvSettings:
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             raw: Any = getattr(args, f.name, None) if args is not None else None
-            if raw is None and f.metadata["env"] in env:
-                raw = env[f.metadata["env"]]
+            for name in (f.metadata["env"], *f.metadata.get("fallback_env", ())):
+                if raw is None and name in env:
+                    raw = env[name]
             if raw is not None:
                 values[f.name] = _convert(f, raw)
         settings = cls(**values)

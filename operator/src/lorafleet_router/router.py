@@ -17,16 +17,25 @@ for good (phase ``Failed`` other than a name conflict). A non-streamed answer is
 worker before the client sees a byte, so a worker dying while it sends it is retried too; a stream
 passes through as it comes, and breaks if its worker dies after its first byte (the client sees the
 connection end early).
+A 404 is worth another holder only when it says the pod does not hold the model (the worker's
+``model_not_found``); any other 404 (a path the worker does not serve) is the client's answer at once.
 ``/v1/models`` lists base models with a Ready pod and adapters with a ready endpoint. Unknown model ->
 404 in OpenAI's error shape.
+
+Authentication as vLLM's ``--api-key``: with a key, ``/v1/*`` needs ``Authorization: Bearer <key>``
+(else OpenAI's 401 shape); ``/health``, ``/ready``, ``/metrics`` and ``/demand`` stay open. Towards
+the workers the router sends ``--worker-api-key`` (default: its own key) in place of the client's
+header; with neither key the client's header passes through unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import hashlib
 import json
 import logging
+import secrets
 import signal
 import time
 from collections import defaultdict
@@ -162,9 +171,61 @@ def _model_card(name: str, created: int, parent: str | None) -> dict[str, Any]:
             "parent": parent}  # fmt: skip
 
 
-def openai_error(status: int, message: str, code: str, err_type: str = "invalid_request_error") -> web.Response:
+def openai_error(
+    status: int, message: str, code: str | None, err_type: str = "invalid_request_error", **kw: Any
+) -> web.Response:
     body = {"error": {"message": message, "type": err_type, "param": "model" if status == 404 else None, "code": code}}
-    return web.json_response(body, status=status)
+    return web.json_response(body, status=status, **kw)
+
+
+def worth_another_holder(status: int, body: bytes) -> bool:
+    """Whether a worker's 503 or 404 may be answered by another pod: a 503 (restarting, draining) is; a 404
+    only when it says the pod does not hold the model (the worker's ``model_not_found``, vLLM's "The model
+    `x` does not exist."), not for a path the worker does not serve."""
+    if status != 404:
+        return status in RETRY_STATUS
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(error, dict):
+        return False
+    message = str(error.get("message") or "")
+    return error.get("code") == "model_not_found" or ("model" in message and "does not exist" in message)
+
+
+class APIKey:
+    """Checks ``Authorization: Bearer <key>`` on ``/v1/*`` (vLLM's ``--api-key``); compares SHA-256
+    digests in constant time and never shows the key."""
+
+    def __init__(self, key: str) -> None:
+        self._digest = hashlib.sha256(key.encode()).digest()
+
+    def __repr__(self) -> str:
+        return "APIKey(***)"
+
+    def allows(self, token: str | None) -> bool:
+        return token is not None and secrets.compare_digest(hashlib.sha256(token.encode()).digest(), self._digest)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.method == "OPTIONS" or not request.path.startswith("/v1"):
+            return await handler(request)
+        token = bearer_token(request.headers.get("Authorization"))
+        if self.allows(token):
+            return await handler(request)
+        log.info("%s %s -> 401: missing or wrong API key", request.method, request.path)
+        metrics.ROUTER_REQUESTS.labels("unauthorized", "401").inc()
+        if token is None:
+            message, code = "You didn't provide an API key: send it as 'Authorization: Bearer <key>'.", None
+        else:
+            message, code = "Incorrect API key provided.", "invalid_api_key"
+        return openai_error(401, message, code, headers={"WWW-Authenticate": "Bearer"})
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    scheme, _, token = (authorization or "").partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
 
 
 class Router:
@@ -177,8 +238,15 @@ class Router:
         unavailable_wait: float = 30.0,
         demand: DemandTracker | None = None,
         policy: RoutingPolicy | None = None,
+        *,
+        api_key: str | None = None,
+        worker_api_key: str | None = None,
     ) -> None:
+        """``api_key``: what clients must send on ``/v1/*`` (None: nothing); ``worker_api_key``: what the
+        workers get instead of the client's Authorization header (None: the client's header)."""
         self.table = table
+        self.auth = APIKey(api_key) if api_key else None
+        self._upstream_auth = f"Bearer {worker_api_key}" if worker_api_key else None
         self.policy = policy if policy is not None else CacheAware()
         self.timeout = timeout
         self.unavailable_wait = unavailable_wait
@@ -195,7 +263,9 @@ class Router:
             self.inflight.pop(endpoint, None)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(
+            client_max_size=64 * 1024 * 1024, middlewares=[self.auth.middleware] if self.auth is not None else []
+        )
         app.add_routes(
             [
                 web.get("/v1/models", self.models),
@@ -290,6 +360,9 @@ class Router:
         """Send the request to a holder; ``key``/``state``: the adapter's demand accounting;
         not ``streaming``: the answer is read whole before the client gets any of it (retryable)."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        if self._upstream_auth is not None:  # the router's key towards the workers, never the client's
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers["Authorization"] = self._upstream_auth
         tried: set[str] = set()
         last: tuple[int, bytes, str] | None = None
 
@@ -330,10 +403,14 @@ class Router:
                 continue
             try:
                 if upstream.status in RETRY_STATUS:
-                    last = (upstream.status, await upstream.read(), upstream.content_type)
-                    if any(e not in tried for e in endpoints) or kind == "adapter":
+                    answer = await upstream.read()
+                    last = (upstream.status, answer, upstream.content_type)
+                    another = any(e not in tried for e in endpoints) or kind == "adapter"
+                    if another and worth_another_holder(upstream.status, answer):
                         sent(False)
                         continue
+                    metrics.ROUTER_REQUESTS.labels(kind, str(upstream.status)).inc()
+                    return web.Response(status=upstream.status, body=answer, headers=_passed_headers(upstream))
                 if not streaming:
                     try:
                         body = await upstream.read()
@@ -403,7 +480,10 @@ async def run_router(settings: RouterSettings) -> None:
     tasks = [asyncio.create_task(i.run()) for i in informers]
     demand = DemandTracker(settings.demand_window)
     policy = make_policy(settings.router_policy, balance=settings.router_balance, min_match=settings.router_min_match)
-    router = Router(table, settings.router_timeout, settings.router_unavailable_wait, demand, policy)
+    router = Router(
+        table, settings.router_timeout, settings.router_unavailable_wait, demand, policy,
+        api_key=settings.api_key or None, worker_api_key=settings.upstream_key(),
+    )  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)

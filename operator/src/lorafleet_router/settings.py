@@ -41,6 +41,21 @@ class RouterSettings(WatchScope):
     router_drain_timeout: float = _opt(
         20.0, "LORAFLEET_ROUTER_DRAIN_TIMEOUT", "router: then, seconds requests in flight get to finish before it exits"
     )
+    api_key: str = _opt(
+        "",
+        "LORAFLEET_API_KEY",
+        "key clients must send as 'Authorization: Bearer KEY' on /v1/* (vLLM's --api-key; VLLM_API_KEY is read "
+        "when LORAFLEET_API_KEY is unset; empty = no key needed)",
+        secret=True,
+        fallback_env=("VLLM_API_KEY",),
+    )
+    worker_api_key: str = _opt(
+        "",
+        "LORAFLEET_WORKER_API_KEY",
+        "key the router sends to the workers on /v1/* in place of the client's (empty = --api-key; both empty: "
+        "the client's Authorization header passes through)",
+        secret=True,
+    )
     demand_window: float = _opt(
         30.0, "LORAFLEET_DEMAND_WINDOW", "router: seconds over which per-adapter demand (GET /demand) is averaged"
     )
@@ -48,3 +63,7 @@ class RouterSettings(WatchScope):
     def validate(self) -> None:
         if self.demand_window <= 0:
             raise ValueError("the demand window must be > 0")
+
+    def upstream_key(self) -> str | None:
+        """The key sent to the workers (None: the client's Authorization header passes through)."""
+        return self.worker_api_key or self.api_key or None
