@@ -26,4 +26,5 @@ render "$out/base/lorafleet.yaml" --include-crds -f "$values/base.yaml"
 render "$out/overlays/dev/generated.yaml" -f "$values/base.yaml" -f "$values/dev.yaml" \
   --show-only templates/store/minio.yaml \
   --show-only templates/worker/deployment.yaml \
+  --show-only templates/worker/networkpolicy.yaml \
   --show-only templates/worker/serviceaccount.yaml

@@ -63,6 +63,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "pod-ip-persistent-minio": {"listenOnPodIP": True, "minio": {"persistence": {"enabled": True}}},
     "images": {"image": {"operator": {"tag": "dev"}, "worker": {"repository": "r.example.com/w", "tag": "1.2.3"}}},
     "example-gpu-cluster": yaml.safe_load((ROOT / "examples" / "values-gpu-cluster.yaml").read_text()),
+    "auth-gateway": {
+        "workers": WORKERS[:1],
+        "auth": {"apiKey": {"existingSecret": "my-api-key"}},
+        "networkPolicy": {"gateway": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gw"}}}},
+    },
     "manifests-dev": yaml.safe_load((ROOT / "manifests" / "values" / "base.yaml").read_text())
     | yaml.safe_load((ROOT / "manifests" / "values" / "dev.yaml").read_text()),
 }
@@ -678,3 +683,105 @@ def test_tiny_model_generator_runs_the_dev_variant(worker_image: dict[str, str],
     (init,) = spec["initContainers"]
     assert init["name"] == "make-tiny-model" and re.fullmatch(f"(.*/)?{generator}", init["image"]), init["image"]
     assert re.fullmatch(f"(.*/)?{serving}", spec["containers"][0]["image"]), spec["containers"][0]["image"]
+
+
+# -- Inference API key and NetworkPolicies --------------------------------------------------------------
+def container_env(docs: list[Doc], deployment: str) -> dict[str, Any]:
+    return env_of(one(docs, "Deployment", deployment)["spec"]["template"]["spec"]["containers"][0])
+
+
+API_KEY_REF = {"secretKeyRef": {"key": "api-key", "name": "lf-lorafleet-api-key"}}
+
+
+def test_the_api_key_is_off_by_default_and_fed_from_one_secret_when_given() -> None:
+    import base64
+
+    group = [{"name": "g", "baseModelName": "m", "device": "cpu", "model": TINY}]
+    docs = template({"workers": group})
+    for deployment in ("lf-lorafleet-router", "lf-lorafleet-worker-g", "lf-lorafleet-operator"):
+        assert "LORAFLEET_API_KEY" not in container_env(docs, deployment)
+    assert not find(docs, "Secret")
+    # A given value: rendered into <fullname>-api-key, read by the router and the workers (not the operator).
+    docs = template({"workers": group, "auth": {"apiKey": {"value": "sk-given"}}})
+    assert base64.b64decode(one(docs, "Secret", "lf-lorafleet-api-key")["data"]["api-key"]).decode() == "sk-given"
+    for deployment in ("lf-lorafleet-router", "lf-lorafleet-worker-g"):
+        assert json.loads(container_env(docs, deployment)["LORAFLEET_API_KEY"]) == API_KEY_REF
+    assert "LORAFLEET_API_KEY" not in container_env(docs, "lf-lorafleet-operator")
+    assert "sk-given" not in render_text({"workers": group, "auth": {"apiKey": {"value": "sk-given"}}}).replace(
+        base64.b64encode(b"sk-given").decode(), ""
+    ), "the key appears only base64-encoded in its Secret"
+    # A Secret the user names: used as it is, nothing rendered or generated.
+    docs = template({"workers": group, "auth": {"apiKey": {"existingSecret": "mine", "key": "k", "value": "x"}}})
+    assert not find(docs, "Secret", "lf-lorafleet-api-key")
+    want = {"secretKeyRef": {"key": "k", "name": "mine"}}
+    assert json.loads(container_env(docs, "lf-lorafleet-worker-g")["LORAFLEET_API_KEY"]) == want
+    # generate: the operator creates it once at run time (renders stay identical), and may read that name.
+    from lorafleet_operator.bootstrap_secrets import parse_wanted
+
+    docs = template({"workers": group, "auth": {"apiKey": {"generate": True}}})
+    assert not find(docs, "Secret", "lf-lorafleet-api-key")
+    wanted = parse_wanted(container_env(docs, "lf-lorafleet-operator")["LORAFLEET_GENERATED_SECRETS"])
+    assert wanted["lf-lorafleet-api-key"] == {"api-key": 48}
+    assert json.loads(container_env(docs, "lf-lorafleet-router")["LORAFLEET_API_KEY"]) == API_KEY_REF
+    names = [
+        r.get("resourceNames", []) for role in find(docs, "Role") for r in role["rules"] if "secrets" in r["resources"]
+    ]
+    assert any("lf-lorafleet-api-key" in n for n in names)
+
+
+def worker_policy(docs: list[Doc]) -> Doc:
+    return one(docs, "NetworkPolicy", "lf-lorafleet-worker")
+
+
+def peers_by_port(policy: Doc) -> dict[int, list[Doc]]:
+    out: dict[int, list[Doc]] = {}
+    for rule in policy["spec"]["ingress"]:
+        for port in rule["ports"]:
+            assert port["protocol"] == "TCP"
+            out.setdefault(port["port"], []).extend(rule["from"])
+    return out
+
+
+def selects(selector: Doc, labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def pod_labels(docs: list[Doc], deployment: str) -> dict[str, str]:
+    labels: dict[str, str] = one(docs, "Deployment", deployment)["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def test_network_policies_let_only_the_router_operator_and_gateway_reach_the_workers() -> None:
+    group = [{"name": "g", "baseModelName": "m", "device": "cpu", "model": TINY}]
+    docs = template({"workers": group})
+    policy = worker_policy(docs)
+    assert policy["spec"]["policyTypes"] == ["Ingress"], "egress (DNS, the store, the Hub) stays open"
+    assert selects(policy["spec"]["podSelector"], pod_labels(docs, "lf-lorafleet-worker-g"))
+    for other in ("lf-lorafleet-router", "lf-lorafleet-operator", "lf-lorafleet-minio"):
+        assert not selects(policy["spec"]["podSelector"], pod_labels(docs, other)), other
+    ports = peers_by_port(policy)
+    assert set(ports) == {8000, 9090}
+    router, operator = pod_labels(docs, "lf-lorafleet-router"), pod_labels(docs, "lf-lorafleet-operator")
+
+    def admitted(port: int, labels: dict[str, str]) -> bool:  # pods of the release namespace
+        return any("namespaceSelector" not in p and selects(p["podSelector"], labels) for p in ports[port])
+
+    assert admitted(8000, router) and admitted(8000, operator)
+    assert admitted(9090, operator) and not admitted(9090, router), "only the operator manages workers"
+    # No gateway by default; monitoring: Prometheus pods in any namespace, on the system port (/metrics) only.
+    assert [p for p in ports[8000] if "namespaceSelector" in p] == []
+    assert [p for p in ports[9090] if "namespaceSelector" in p] == [
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    ]
+    # A named gateway reaches the inference port, not the management port; no peer ever admits everyone.
+    gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gw"}}, "podSelector": {}}
+    docs = template({"workers": group, "networkPolicy": {"gateway": gateway, "monitoring": {"podSelector": None}}})
+    ports = peers_by_port(worker_policy(docs))
+    assert gateway in ports[8000] and gateway not in ports[9090]
+    assert all("namespaceSelector" not in p for p in ports[9090]), "monitoring unset: no one"
+    for peer in ports[8000] + ports[9090]:
+        assert peer.get("podSelector") or peer.get("namespaceSelector"), f"{peer} admits every pod"
+    # Off when disabled, and nothing to protect without worker groups.
+    assert not find(template({"workers": group, "networkPolicy": {"enabled": False}}), "NetworkPolicy")
+    assert not find(template({}), "NetworkPolicy")

@@ -72,6 +72,13 @@ def test_dev_overlay_runs_minio_and_a_tiny_worker(dev: list[Doc]) -> None:
     assert worker["initContainers"][0]["command"][:2] == ["lorafleet-dev", "make-tiny-model"]
     operator = one(dev, "Deployment", "lorafleet-operator")["spec"]["template"]["spec"]["containers"][0]
     assert env_of(operator)["LORAFLEET_STORE_SECRET"] == "lorafleet-store"
+    # The chart's NetworkPolicy comes with the worker: only the router and the operator reach it.
+    policy = one(dev, "NetworkPolicy", "lorafleet-worker")
+    labels = one(dev, "Deployment", "lorafleet-worker-tiny")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    components = {p["podSelector"]["matchLabels"].get("app.kubernetes.io/component")
+                  for rule in policy["spec"]["ingress"] for p in rule["from"]}  # fmt: skip
+    assert components == {"router", "operator", None}  # None: the monitoring selector
 
 
 def test_production_overlay_uses_the_external_store(production: list[Doc]) -> None:

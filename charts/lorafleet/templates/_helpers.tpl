@@ -190,6 +190,9 @@ affinity:
 {{- if include "lorafleet.storeKeysGenerated" . }}
 {{- $_ := set $out (include "lorafleet.storeSecret" .) (dict "AWS_ACCESS_KEY_ID" 20 "AWS_SECRET_ACCESS_KEY" 40) }}
 {{- end }}
+{{- if include "lorafleet.apiKeyGenerated" . }}
+{{- $_ := set $out (include "lorafleet.apiKeySecret" .) (dict .Values.auth.apiKey.key 48) }}
+{{- end }}
 {{- if $out }}{{ toJson $out }}{{ end }}
 {{- end }}
 
@@ -245,4 +248,38 @@ envFrom:
 {{/* Base-model hash label value (Dynamo's convention): first 8 hex of sha256(name). */}}
 {{- define "lorafleet.baseModelHash" -}}
 {{- . | sha256sum | trunc 8 }}
+{{- end }}
+
+{{/* A NetworkPolicy `from` entry for a values peer {podSelector, namespaceSelector}: the pods matching
+podSelector in the namespaces matching namespaceSelector ({} = every namespace); nothing when both are empty. */}}
+{{- define "lorafleet.networkPeer" -}}
+{{- if or .podSelector .namespaceSelector -}}
+- namespaceSelector: {{ toJson (.namespaceSelector | default dict) }}
+  podSelector: {{ toJson (.podSelector | default dict) }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when inference needs an API key (auth.apiKey: value, existingSecret or generate). */}}
+{{- define "lorafleet.apiKeyEnabled" -}}
+{{- with .Values.auth.apiKey }}{{ if or .value .existingSecret .generate }}true{{ end }}{{ end }}
+{{- end }}
+
+{{- define "lorafleet.apiKeySecret" -}}
+{{- default (printf "%s-api-key" (include "lorafleet.fullname" .)) .Values.auth.apiKey.existingSecret }}
+{{- end }}
+
+{{/* "true" when the operator generates the API key at run time (generate, no value, no existingSecret). */}}
+{{- define "lorafleet.apiKeyGenerated" -}}
+{{- with .Values.auth.apiKey }}{{ if and .generate (not .existingSecret) (not .value) }}true{{ end }}{{ end }}
+{{- end }}
+
+{{/* The API key as LORAFLEET_API_KEY, for the router and the workers (pods wait until the Secret exists). */}}
+{{- define "lorafleet.apiKeyEnv" -}}
+{{- if include "lorafleet.apiKeyEnabled" . -}}
+- name: LORAFLEET_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "lorafleet.apiKeySecret" . }}
+      key: {{ .Values.auth.apiKey.key }}
+{{- end }}
 {{- end }}

@@ -89,6 +89,7 @@ namespace): the store Secret, and the HF token Secret when an object store is co
 {{- if .Values.adminToken.enabled }}{{ $names = append $names (include "lorafleet.adminTokenSecret" .) }}{{ end }}
 {{- with include "lorafleet.storeSecret" . }}{{ $names = append $names . }}{{ end }}
 {{- with .Values.huggingface.tokenSecret }}{{ $names = append $names . }}{{ end }}
+{{- if include "lorafleet.apiKeyGenerated" . }}{{ $names = append $names (include "lorafleet.apiKeySecret" .) }}{{ end }}
 {{- toJson $names }}
 {{- end }}
 
