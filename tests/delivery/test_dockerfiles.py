@@ -152,3 +152,28 @@ def test_dockerignore_keeps_secrets_and_local_state_out() -> None:
         assert ignored(path), f"{path} would be sent to the Docker build context"
     for path in ("jobs/pyproject.toml", "operator/src", "worker/src", "locks/worker.txt", "locks/tools.txt"):
         assert not ignored(path), f"{path} is needed by the Dockerfiles but ignored"
+
+
+def test_worker_image_prebuilds_the_cpp_extensions_where_the_worker_loads_them() -> None:
+    """The build stage runs the extension loader's build command for every x86-64 level once the worker is
+    installed, into the directory the runtime's LORAFLEET_CPU_OPS_DIR names, and the worker's wheel carries
+    every C++ source file the loader compiles."""
+    from lorafleet_worker.ops import loader
+
+    df = Dockerfile.parse(ROOT / "Dockerfile.worker")
+    build = [i for i in df.instructions if i.stage == 0]
+    command = re.compile(rf"python -m {re.escape(loader.__name__)}\s+build\s")
+    prebuilds = [n for n, i in enumerate(build) if i.keyword == "RUN" and command.search(i.args)]
+    assert len(prebuilds) == 1, "no (or more than one) prebuild step"
+    prebuild = build[prebuilds[0]].args
+    install = next(n for n, i in enumerate(build) if i.keyword == "RUN" and "./worker" in i.args)
+    assert install < prebuilds[0], "the extensions are built before the worker is installed"
+    assert all(level in prebuild for level in loader.LEVELS), prebuild
+    env = " ".join(i.args for i in df.of("ENV", df.final_stage))
+    ops_dir = re.search(rf"{loader.OPS_DIR_ENV}=(\S+)", env)
+    assert ops_dir and ops_dir.group(1) in prebuild and ops_dir.group(1).startswith("/opt/lorafleet/")
+    package_data = tomllib.loads((ROOT / "worker" / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = package_data["lorafleet_worker"]
+    for path in loader.CSRC.iterdir():
+        name = path.relative_to(loader.CSRC.parent).as_posix()
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in shipped), f"{name} is not package data"

@@ -109,3 +109,24 @@ def test_console_scripts_answer_help(image_venv: tuple[Image, Path]) -> None:
     for script in image.scripts:
         done = subprocess.run([str(venv / "bin" / script), "--help"], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and "usage" in done.stdout.lower(), f"{script} --help:\n{done.stderr[-2000:]}"
+
+
+def test_worker_ships_the_cpp_sources_of_every_extension(image_venv: tuple[Image, Path]) -> None:
+    """The installed worker (not this checkout) holds every file its C++ extensions compile, so its libraries
+    carry the same content-hashed names as the checkout's: the image's prebuilt files are the ones it loads."""
+    image, venv = image_venv
+    if "lorafleet_worker" not in image.packages:
+        pytest.skip("no worker in this image")
+    from lorafleet_worker.ops import loader
+
+    code = (
+        "import json; from lorafleet_worker.ops import loader\n"
+        "print(json.dumps({'csrc': str(loader.CSRC), 'names': [e.name for e in loader.extensions()]}))\n"
+    )
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=300, cwd="/"
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    installed = json.loads(done.stdout.splitlines()[-1])
+    assert Path(installed["csrc"]).is_relative_to(venv.resolve()), installed["csrc"]
+    assert installed["names"] == [e.name for e in loader.extensions()]

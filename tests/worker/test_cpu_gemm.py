@@ -122,7 +122,12 @@ def test_a_split_weight_takes_panels_for_few_rows_and_onednn_for_more(
     assert isinstance(split, cpu_linear.SplitWeight)
     assert split.nbytes >= 2 * w.numel() * w.element_size() and torch.equal(split.to_dense(), w)
     calls: list[str] = []
-    monkeypatch.setattr(cpu_linear, "_onednn_linear", lambda x, p, bias: calls.append("onednn") or F.linear(x, w, bias))
+
+    def onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append("onednn")
+        return F.linear(x, w, bias)
+
+    monkeypatch.setattr(cpu_linear, "_onednn_linear", onednn)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for rows in (1, cpu_linear.PANEL_MAX_ROWS, cpu_linear.PANEL_MAX_ROWS + 1, 33):
         x = torch.randn(rows, 70).to(dtype)

@@ -8,7 +8,7 @@
 // vectorised exp) and accumulates the value rows the same way, reading the sequence's blocks front to back and
 // prefetching the next block. Items run on ATen's OpenMP thread pool (the library is compiled with -fopenmp:
 // without it ATen's `parallel_for` runs serially).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>

@@ -1,7 +1,7 @@
 // The small fused ops of a decoder layer, of the library lorafleet_cpu_ops (its Python module: cpu_ops.cpp):
 // RMSNorm, residual add + RMSNorm, SiLU x up, RoPE in place, and greedy sampling's pick. The same rounding as
 // the torch ops they replace.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>

@@ -10,6 +10,7 @@ the caller checked `available()`.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -28,6 +29,7 @@ EXTENSION = loader.Extension(
 )
 
 
+@functools.cache  # one look-up per op call; a library that did not build raises (and is not cached)
 def _module() -> Any:
     mod = loader.built(EXTENSION)
     assert mod is not None, "check available() first"

@@ -32,6 +32,7 @@ EXTENSION = loader.Extension(
 )
 
 
+@functools.cache  # one look-up per op call; a library that did not build raises (and is not cached)
 def _module() -> Any:
     mod = loader.built(EXTENSION)
     assert mod is not None, "check available() first"

@@ -9,6 +9,7 @@ backend is created). `lora_small` and `kernel` assume the caller checked `availa
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torch import Tensor
@@ -26,6 +27,7 @@ EXTENSION = loader.Extension(
 )
 
 
+@functools.cache  # one look-up per op call; a library that did not build raises (and is not cached)
 def _module() -> Any:
     mod = loader.built(EXTENSION)
     assert mod is not None, "check available() first"
