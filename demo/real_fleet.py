@@ -89,10 +89,10 @@ def deploy_adapters(release: Any, adapters: dict[str, Path], say: Any = print) -
 def show(release: Any, adapters: dict[str, Path], say: Any = print) -> None:
     for style in adapters:
         release.wait_ready(f"smollm2-{style}", timeout=300)
-    router = release.router_url()
+    router, key = release.router_url(), release.api_key()
     say(f"the same questions to {SERVED_NAME} and to each trained adapter, through the router ({router})")
-    ask_side_by_side(router, models_to_ask())
+    ask_side_by_side(router, models_to_ask(), api_key=key)
     say("the same json_schema answer asked of the base model and of the JSON adapter (structured output)")
-    ask_json_schema(router, {"base": SERVED_NAME, "json": ADAPTER_MODELS["json"]})
+    ask_json_schema(router, {"base": SERVED_NAME, "json": ADAPTER_MODELS["json"]}, api_key=key)
     say('a weather question with tools and tool_choice "auto" to the base model and the tools adapter')
-    ask_tool_call(router, {"base": SERVED_NAME, "tools": ADAPTER_MODELS["tools"]})
+    ask_tool_call(router, {"base": SERVED_NAME, "tools": ADAPTER_MODELS["tools"]}, api_key=key)

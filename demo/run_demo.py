@@ -108,11 +108,11 @@ class StreamProbe:
     finish_reason: str | None
 
 
-def stream_probe(router: str, model: str, max_tokens: int = PROBE_TOKENS) -> StreamProbe:
-    """Stream `max_tokens` tokens of `model` through the router and time them."""
+def stream_probe(router: str, model: str, api_key: str, max_tokens: int = PROBE_TOKENS) -> StreamProbe:
+    """Stream `max_tokens` tokens of `model` through the router (with its API key) and time them."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{router}/v1", api_key="demo", max_retries=0, timeout=120)
+    client = OpenAI(base_url=f"{router}/v1", api_key=api_key, max_retries=0, timeout=120)
     t0 = time.monotonic()
     first = last = t0
     chunks, tokens, finish = 0, 0, None
@@ -133,7 +133,7 @@ def stream_probe(router: str, model: str, max_tokens: int = PROBE_TOKENS) -> Str
     return StreamProbe(tokens, chunks, first - t0, (tokens - 1) / decode_s if decode_s > 0 else 0.0, finish)
 
 
-def show_tiny_models(router: str, holders: dict[str, str]) -> None:
+def show_tiny_models(router: str, api_key: str, holders: dict[str, str]) -> None:
     """Per tiny model: the pods that hold it and one answer streamed through the router, timed."""
     print(
         "\n  The tiny models have random weights, so their text is noise and is not shown. What can be\n"
@@ -142,7 +142,7 @@ def show_tiny_models(router: str, holders: dict[str, str]) -> None:
         flush=True,
     )
     for model, pods in holders.items():
-        probe = stream_probe(router, model)
+        probe = stream_probe(router, model, api_key)
         streamed = f"{probe.tokens} tokens, {probe.chunks} chunks"
         ok = probe.tokens == PROBE_TOKENS and probe.finish_reason == "length"
         print(
@@ -152,7 +152,7 @@ def show_tiny_models(router: str, holders: dict[str, str]) -> None:
         )
 
 
-def wait_for_interrupt(namespace: str, router: str, kubeconfig: Path) -> None:
+def wait_for_interrupt(namespace: str, router: str, api_key: str, kubeconfig: Path) -> None:
     from lorafleet_devcluster.cluster import tool_path
 
     print(
@@ -160,8 +160,10 @@ def wait_for_interrupt(namespace: str, router: str, kubeconfig: Path) -> None:
         f"  export KUBECONFIG={kubeconfig}\n"
         f"  alias kubectl={tool_path('kubectl')}\n"
         f"  kubectl -n {namespace} get dm,pods\n"
-        f"  curl {router}/v1/models\n"
-        f"  curl {router}/v1/completions -H 'content-type: application/json' "
+        f"  export OPENAI_API_KEY={api_key}   # the router's API key (the chart's auth.apiKey)\n"
+        f'  curl {router}/v1/models -H "Authorization: Bearer $OPENAI_API_KEY"\n'
+        f'  curl {router}/v1/completions -H "Authorization: Bearer $OPENAI_API_KEY" '
+        "-H 'content-type: application/json' "
         '-d \'{"model": "my-custom-lora", "prompt": "The fleet", "max_tokens": 16}\'\n',
         flush=True,
     )
@@ -193,6 +195,7 @@ def run() -> int:
             with shared_cluster() as cluster:
                 release = Release(cluster, cluster.new_namespace("demo"), log=say)
                 values = default_values(cluster, workers=2, hf_endpoint=hub_url)
+                values["auth"] = {"apiKey": {"generate": True}}  # the router and workers require a key
                 values["workers"].append(real_fleet.worker_group(real_model))
                 release.deploy(values)
                 for name, (_, uri) in MODELS.items():
@@ -217,12 +220,13 @@ def run() -> int:
                 print("\n$ kubectl get dm\n" + release.table(), flush=True)
                 names = {BASE_MODEL, *(m for m, _ in MODELS.values())}
                 wait_for(lambda: names <= release.models(), 60, "the router to list every model")
-                router = release.router_url()
-                say(f"streaming from every tiny model through the router Service ({router})")
-                show_tiny_models(router, holders)
+                router, api_key = release.router_url(), release.api_key()
+                assert api_key, "the operator generates the inference API key"
+                say(f"streaming from every tiny model through the router Service ({router}), with its API key")
+                show_tiny_models(router, api_key, holders)
                 real_fleet.show(release, real_adapters, say)
                 if keep:
-                    wait_for_interrupt(release.namespace, router, cluster.kubeconfig)
+                    wait_for_interrupt(release.namespace, router, api_key, cluster.kubeconfig)
                 say("tearing down")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -8,7 +8,8 @@ asks the base model and the JSON adapter for the same `json_schema` answer (stru
 grammar makes both valid; the adapter was trained to give it. `ask_tool_call` asks the base model and
 the tools adapter a weather question with `tools` and `tool_choice: "auto"` (the worker started with
 `--enable-auto-tool-choice --tool-call-parser hermes`): the base model, never trained for tools,
-answers in words; the adapter calls `get_weather`.
+answers in words; the adapter calls `get_weather`. Each takes the `api_key` the router requires (the cluster
+demo installs the chart with one), sent as `Authorization: Bearer <key>` as the `openai` client does.
 """
 
 from __future__ import annotations
@@ -44,12 +45,21 @@ def chat(client: httpx.Client, url: str, model: str, question: str) -> str:
     return content
 
 
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The headers an OpenAI client sends for `api_key` (none without one)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def ask_side_by_side(
-    url: str, models: Mapping[str, str], questions: Sequence[str] = DEMO_QUESTIONS, width: int = 100
+    url: str,
+    models: Mapping[str, str],
+    questions: Sequence[str] = DEMO_QUESTIONS,
+    width: int = 100,
+    api_key: str | None = None,
 ) -> dict[str, dict[str, str]]:
     """Ask every (label -> model name) every question through `url`; print a block per question."""
     answers: dict[str, dict[str, str]] = {}
-    with httpx.Client(timeout=300) as client:
+    with httpx.Client(timeout=300, headers=bearer(api_key)) as client:
         for question in questions:
             print(f"\n  Q: {question}", flush=True)
             answers[question] = {}
@@ -76,14 +86,18 @@ CAPITAL_SCHEMA: dict[str, Any] = {
 
 
 def ask_json_schema(
-    url: str, models: Mapping[str, str], question: str = JSON_QUESTION, schema: Mapping[str, Any] = CAPITAL_SCHEMA
+    url: str,
+    models: Mapping[str, str],
+    question: str = JSON_QUESTION,
+    schema: Mapping[str, Any] = CAPITAL_SCHEMA,
+    api_key: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Ask each (label -> model) `question` with `response_format: json_schema`; print and return the parsed
     answers (json.loads of each: the grammar guarantees they parse)."""
     fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": dict(schema), "strict": True}}
     print(f"\n  Q (json_schema {json.dumps(schema['properties'])}): {question}", flush=True)
     answers: dict[str, dict[str, Any]] = {}
-    with httpx.Client(timeout=300) as client:
+    with httpx.Client(timeout=300, headers=bearer(api_key)) as client:
         for label, model in models.items():
             body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 120,
                     "temperature": 0, "response_format": fmt}  # fmt: skip
@@ -97,13 +111,13 @@ def ask_json_schema(
 
 
 def ask_tool_call(
-    url: str, models: Mapping[str, str], question: str = TOOL_QUESTION, width: int = 100
+    url: str, models: Mapping[str, str], question: str = TOOL_QUESTION, width: int = 100, api_key: str | None = None
 ) -> dict[str, dict[str, Any]]:
     """Ask each (label -> model) `question` with the demo's tools and `tool_choice: "auto"`; print each answer
     (its text, or the calls made) and return the messages."""
     print(f"\n  Q (tools {', '.join(t['function']['name'] for t in TOOLS)}, tool_choice auto): {question}", flush=True)
     answers: dict[str, dict[str, Any]] = {}
-    with httpx.Client(timeout=300) as client:
+    with httpx.Client(timeout=300, headers=bearer(api_key)) as client:
         for label, model in models.items():
             body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": MAX_TOKENS,
                     "temperature": 0, "tools": TOOLS, "tool_choice": "auto"}  # fmt: skip

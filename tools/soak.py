@@ -148,7 +148,7 @@ class Soak:
     # ---- traffic ------------------------------------------------------------------------
     def client(self, seed: int) -> None:
         rng = random.Random(seed)
-        with httpx.Client(timeout=120) as http:
+        with httpx.Client(timeout=120, headers=self.release.inference_headers()) as http:
             while not self.stop.is_set():
                 routers = self._routers_or_none()
                 if not routers:

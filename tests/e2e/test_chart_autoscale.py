@@ -57,8 +57,9 @@ def test_demand_through_the_headless_service_grows_and_shrinks_the_adapter(relea
     assert reason(dm, "Autoscaling") in ("NoDemandData", "AtMinReplicas", "AtTarget"), dm["status"]
     url = f"{release.router_url()}/v1/completions"
     # a trickle runs throughout (the shrink too: leaving replicas must not fail a request), four clients on top
-    with Load(url, HOT, clients=1, pause=2.0, tokens=1) as trickle:
-        with Load(url, HOT, clients=4) as load:
+    auth = release.inference_headers()
+    with Load(url, HOT, clients=1, pause=2.0, tokens=1, headers=auth) as trickle:
+        with Load(url, HOT, clients=4, headers=auth) as load:
             dm = release.wait_ready("hot", total=3, timeout=180)
             assert dm["status"]["desiredReplicas"] == 3
             assert reason(dm, "Autoscaling") in ("ScaledUp", "AtMaxReplicas"), dm["status"]

@@ -10,12 +10,21 @@ from lorafleet_devcluster.rawstack import PROMPT
 
 class Load:
     """``clients`` threads sending completions for ``model`` to ``url`` (a `/v1/completions` URL), back
-    to back or one every ``pause`` seconds per client (a trickle: paced load, not synchronisation)."""
+    to back or one every ``pause`` seconds per client (a trickle: paced load, not synchronisation);
+    ``headers``: sent with each request (``Release.inference_headers()``: the API key, if any)."""
 
     def __init__(
-        self, url: str, model: str, clients: int, pause: float = 0.0, tokens: int = 16, prompt: object = PROMPT
+        self,
+        url: str,
+        model: str,
+        clients: int,
+        pause: float = 0.0,
+        tokens: int = 16,
+        prompt: object = PROMPT,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.url, self.model, self.pause, self.tokens, self.prompt = url, model, pause, tokens, prompt
+        self.headers = dict(headers or {})
         self.ok = 0
         self.failures: list[str] = []
         self._stop = threading.Event()
@@ -25,7 +34,7 @@ class Load:
     def _run(self) -> None:
         body = {"model": self.model, "prompt": self.prompt, "max_tokens": self.tokens, "temperature": 0}
         body["ignore_eos"] = True
-        with httpx.Client(timeout=60) as http:
+        with httpx.Client(timeout=60, headers=self.headers) as http:
             while not self._stop.is_set():
                 try:
                     r = http.post(self.url, json=body)

@@ -250,15 +250,33 @@ class Release:
         host, port = self.endpoint(f"{self.fullname}-router", "http")
         return f"http://{host}:{port}"
 
+    def api_key(self) -> str | None:
+        """The inference API key the release's router and workers require (values `auth.apiKey`, with the
+        chart's precedence: existingSecret, value, the operator-generated Secret), or None."""
+        spec = (self.values.get("auth") or {}).get("apiKey") or {}
+        key = spec.get("key") or "api-key"
+        if spec.get("existingSecret"):
+            return self.secret(spec["existingSecret"])[key]
+        if spec.get("value"):
+            return str(spec["value"])
+        if spec.get("generate"):
+            return self.secret(f"{self.fullname}-api-key")[key]
+        return None
+
+    def inference_headers(self) -> dict[str, str]:
+        """What an OpenAI client of this release sends: `Authorization: Bearer <key>` when it has a key."""
+        key = self.api_key()
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     def complete(self, model: str, prompt: str = "The fleet", max_tokens: int = 8) -> str:
         """Greedy completion text through the router (raises httpx.HTTPStatusError on errors)."""
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-        r = httpx.post(f"{self.router_url()}/v1/completions", json=body, timeout=60)
+        r = httpx.post(f"{self.router_url()}/v1/completions", json=body, headers=self.inference_headers(), timeout=60)
         r.raise_for_status()
         return str(r.json()["choices"][0]["text"])
 
     def models(self) -> set[str]:
-        r = httpx.get(f"{self.router_url()}/v1/models", timeout=30)
+        r = httpx.get(f"{self.router_url()}/v1/models", headers=self.inference_headers(), timeout=30)
         r.raise_for_status()
         return {m["id"] for m in r.json()["data"]}
 
