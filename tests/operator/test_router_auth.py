@@ -4,21 +4,25 @@
 - towards the workers the router sends `--worker-api-key` (default: its own key) in place of the client's
   header; with no key at all the client's header passes through;
 - a worker's 404 for a path it does not serve comes back at once, while its "model not found" 404 (the pod
-  does not hold the adapter yet) is tried again.
+  does not hold the adapter yet) is tried again;
+- with a real worker that has its own key ($LORAFLEET_API_KEY), the `openai` client with the router's key gets
+  its answer through the router, while neither key opens the other's door.
 
-Real HTTP on 127.0.0.x: the router's own `serve` (what `lorafleet-router` runs) in front of a stub worker.
+Real HTTP on 127.0.0.x: the router's own `serve` (what `lorafleet-router` runs) in front of a stub worker, and
+in front of a real worker process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import httpx
 import openai
 import pytest
 from aiohttp import web
@@ -26,7 +30,7 @@ from lorafleet_devcluster.nodeagent import AddressBlock
 from lorafleet_router.router import Router, RoutingTable, serve
 from lorafleet_router.settings import RouterSettings
 
-from .conftest import INFER_PORT, MGMT_PORT, REAL_BASE, pod_body
+from .conftest import INFER_PORT, MGMT_PORT, REAL_BASE, RealWorker, pod_body
 
 ADAPTER = "org/auth"
 KEY, WORKER_KEY = "router-key-0123456789", "worker-key-9876543210"
@@ -63,15 +67,21 @@ class Front:
 
 
 @asynccontextmanager
-async def front(api_key: str | None = None, worker_api_key: str | None = None) -> AsyncIterator[Front]:
+async def front(
+    api_key: str | None = None, worker_api_key: str | None = None, real: RealWorker | None = None
+) -> AsyncIterator[Front]:
+    """The router's `serve` in front of a stub worker, or of `real` (a worker process holding the base model)."""
     block = AddressBlock()
     worker, host = block.take(), block.take()
+    if real is not None:
+        worker = real.host
     stub = web.Application()
     stub[SEEN] = []
     stub.router.add_post("/v1/{tail:.*}", _stub)
     runner = web.AppRunner(stub)
     await runner.setup()
-    await web.TCPSite(runner, worker, INFER_PORT).start()
+    if real is None:
+        await web.TCPSite(runner, worker, INFER_PORT).start()
     table = RoutingTable(inference_port=INFER_PORT)
     table.on_pod("ADDED", pod_body("worker-0", worker, True, REAL_BASE))
     table.on_model("ADDED", {
@@ -174,3 +184,36 @@ def test_router_settings_read_the_key_from_lorafleet_or_vllm_variables_and_never
     own = RouterSettings.from_sources({"LORAFLEET_API_KEY": "l", "LORAFLEET_WORKER_API_KEY": "w"})
     assert own.upstream_key() == "w" and "'l'" not in repr(own) and "'w'" not in repr(own)
     assert RouterSettings.from_sources({}).upstream_key() is None
+
+
+@pytest.fixture(scope="module")
+def keyed_worker(tiny_models: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealWorker]:
+    """A real worker serving the base model with its own key, given as $LORAFLEET_API_KEY."""
+    root = tmp_path_factory.mktemp("router_auth")
+    (root / "w").mkdir()
+    block = AddressBlock()
+    worker = RealWorker("worker-0", block.take(), tiny_models["llama"], root, root / "w")
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("LORAFLEET_API_KEY", WORKER_KEY)
+            worker.spawn()
+        worker.wait_ready()
+        yield worker
+    finally:
+        worker.stop()
+        block.close()
+
+
+async def test_the_router_sends_its_worker_key_to_a_real_worker(keyed_worker: RealWorker) -> None:
+    body = {"model": REAL_BASE, "prompt": "Hello", "max_tokens": 2}
+    direct = {key: httpx.post(f"{keyed_worker.url}/v1/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {key}"}).status_code
+              for key in (KEY, WORKER_KEY)}  # fmt: skip
+    assert direct == {KEY: 401, WORKER_KEY: 200}, "the worker takes only its own key"
+    async with front(api_key=KEY, worker_api_key=WORKER_KEY, real=keyed_worker) as f:
+        async with _client(f.url, KEY) as client:
+            out = await client.completions.create(model=REAL_BASE, prompt="Hello", max_tokens=2)
+            assert out.usage is not None and out.usage.completion_tokens == 2
+        async with _client(f.url, WORKER_KEY) as client:
+            with pytest.raises(openai.AuthenticationError):
+                await client.completions.create(model=REAL_BASE, prompt="Hello", max_tokens=2)
