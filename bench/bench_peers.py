@@ -629,7 +629,8 @@ def main() -> None:
         try:
             vllm_server.install()
             payload["vllm"] = {"version": vllm_server.VERSION, "binds": args.vllm_bind,
-                               "kv_cache_gib": args.vllm_kv_cache_gib, "tcmalloc": vllm_server.tcmalloc()}  # fmt: skip
+                               "kv_cache_gib": args.vllm_kv_cache_gib,
+                               "ld_preload": vllm_server.preloads()}  # fmt: skip
         except vllm_server.Unavailable as e:
             payload["vllm_skipped"] = str(e)
             args.servers.remove("vllm")

