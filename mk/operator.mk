@@ -1,4 +1,4 @@
-# Operator at scale (issue 13): 10,000 DynamoModels over 200 stand-in workers on the local control plane.
+# Operator at scale: 10,000 DynamoModels over 200 stand-in workers on the local control plane.
 # LORAFLEET_BENCH_SMOKE=1 runs 500 models over 20 workers (checks the script; results in bench/smoke/).
 .PHONY: bench-operator-scale
 
