@@ -2,7 +2,7 @@
 
 One shrink launch and one expand launch per projection cover every adapter of the batch and every slice of a
 fused projection (q/k/v with their GQA widths, gate/up). Weights are the slot pool's stacked buffers
-(`LoRAProjWeights` of docs/DESIGN.md):
+(`LoRAProjWeights`, `lora/weights.py`):
 
     A        [num_slots, n_slices, max_rank, in_dim]    B  [num_slots, out_total, max_rank]
     ranks    int32 [num_slots, n_slices]                scalings  float32 [num_slots, n_slices]
