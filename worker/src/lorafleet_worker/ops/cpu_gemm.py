@@ -32,16 +32,13 @@ EXTENSION = loader.Extension(
 )
 
 
-@functools.cache  # one look-up per op call; a library that did not build raises (and is not cached)
 def _module() -> Any:
-    mod = loader.built(EXTENSION)
-    assert mod is not None, "check available() first"
-    return mod
+    return loader.module(EXTENSION)
 
 
 def available() -> bool:
     """True when the library serves this process: not switched off, and built (or buildable now)."""
-    return loader.library(EXTENSION) is not None
+    return loader.available(EXTENSION)
 
 
 def kernel(w8a8: bool = False) -> Any:

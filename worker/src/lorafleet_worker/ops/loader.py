@@ -206,6 +206,19 @@ def library(ext: Extension) -> Any | None:
     return built(ext)
 
 
+@functools.cache  # one look-up per op call; a library that did not build raises (and is not cached)
+def module(ext: Extension) -> Any:
+    """The built library of `ext`, for op wrappers that checked `available(ext)` first."""
+    mod = built(ext)
+    assert mod is not None, "check available() first"
+    return mod
+
+
+def available(ext: Extension) -> bool:
+    """True when the library of `ext` serves this process: not switched off, and built (or buildable now)."""
+    return library(ext) is not None
+
+
 @functools.cache
 def _log_off(ext: Extension) -> None:
     log.info("%s off: %s (%s=torch)", ext.what, ext.fallback, ext.switch)
