@@ -32,6 +32,13 @@ def _positive(value: str) -> int:
     return n
 
 
+def _positive_seconds(value: str) -> float:
+    n = float(value)
+    if not n > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {value}")
+    return n
+
+
 def _port(value: str) -> int:
     n = int(value)
     if not 0 < n < 65536:
@@ -155,12 +162,22 @@ class WorkerSettings:
     max_loaded_loras: int | None = option(
         None,
         "--max-loaded-loras",
-        help="the most adapters registered at once; beyond it POST /v1/loras answers 507",
+        help="the most adapters registered at once: an on-demand load evicts the least recently used idle "
+        "adapter loaded on demand to make room; with none, POST /v1/loras answers 507 and inference 503",
         env="LORAFLEET_MAX_LOADED_LORAS",
         shown="unlimited",
         engine="max_adapters",
         type=_positive,
         metavar="N",
+    )
+    lora_load_timeout_s: float = option(
+        60.0,
+        "--lora-load-timeout",
+        help="how long a request naming a catalogued adapter that is not loaded waits for its on-demand load "
+        "before a 503",
+        env="LORAFLEET_LORA_LOAD_TIMEOUT",
+        type=_positive_seconds,
+        metavar="SECONDS",
     )
     max_num_seqs: int = option(
         64, "--max-num-seqs", help="most requests running at once", engine="max_num_seqs", type=_positive, metavar="N"
