@@ -14,12 +14,15 @@ LORA_NAME_RE = re.compile(r"^[A-Za-z0-9._/-]{1,128}$")
 class APIError(Exception):
     """An error with its HTTP status; each API renders it in its own shape."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.type = type  # the OpenAI error's `type`; None: the status's usual one
 
 
 def check_lora_name(name: str) -> str:
@@ -60,7 +63,7 @@ def openai_error_body(err: APIError) -> dict[str, Any]:
     return {
         "error": {
             "message": err.message,
-            "type": _OPENAI_ERROR_TYPES.get(err.status, "server_error"),
+            "type": err.type or _OPENAI_ERROR_TYPES.get(err.status, "server_error"),
             "param": err.param,
             "code": err.code,
         }
