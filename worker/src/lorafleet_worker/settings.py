@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lorafleet_worker.api.reasoning import REASONING_PARSERS
 from lorafleet_worker.structured.tool_calls import PARSER_NAMES
 
 _FALSE = {"0", "false", "no", "off"}
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 QUANTIZATIONS = ("int8", "int4", "w8a8_int8")
 LORA_BACKENDS = ("auto", "torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def _positive(value: str) -> int:
@@ -63,6 +65,31 @@ def _kv_events_config(value: str) -> Any:
         return KVEventsConfig.parse(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """An adapter loaded at start (--lora-modules): its name, its path or URI, the base model it is for."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def _lora_module(value: str) -> LoRAModule:
+    """`name=path` or vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}`."""
+    import json
+
+    if value.lstrip().startswith("{"):
+        try:
+            spec = json.loads(value)
+            return LoRAModule(str(spec["name"]), str(spec["path"]), spec.get("base_model_name"))
+        except (ValueError, KeyError, TypeError) as e:
+            raise argparse.ArgumentTypeError(f"not a LoRA module {value!r}: {e}") from e
+    name, sep, path = value.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"not a LoRA module {value!r}: name=path or JSON")
+    return LoRAModule(name, path)
 
 
 def _enabled(value: str) -> bool:
@@ -128,6 +155,14 @@ class WorkerSettings:
         shown="none",
         engine="quantization",
         choices=QUANTIZATIONS,
+    )
+    load_format: str = option(
+        "auto",
+        "--load-format",
+        help="auto: the weights in the model directory's safetensors; dummy: random weights of the config's "
+        "shapes built on the device (vLLM's dummy format: load-free benchmarks of a model's shape)",
+        engine="load_format",
+        choices=LOAD_FORMATS,
     )
     memory_budget: str | None = option(
         None,
@@ -246,6 +281,24 @@ class WorkerSettings:
         shown="none",
         choices=PARSER_NAMES,
     )
+    reasoning_parser: str | None = option(
+        None,
+        "--reasoning-parser",
+        help="split <think>...</think> into message.reasoning_content (vLLM's parsers: deepseek_r1 starts inside "
+        "the thinking; qwen3 too, unless chat_template_kwargs enable_thinking is false)",
+        shown="none",
+        choices=REASONING_PARSERS,
+    )
+    lora_modules: tuple[LoRAModule, ...] = option(
+        (),
+        "--lora-modules",
+        help="adapters loaded at start (before /ready), as vLLM's: name=path or "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a path is a local directory or any adapter URI',
+        shown="none",
+        type=_lora_module,
+        nargs="+",
+        metavar="NAME=PATH|JSON",
+    )
     stall_timeout_s: float = option(
         60.0,
         "--health-stall-timeout",
@@ -287,6 +340,7 @@ class WorkerSettings:
         if not self.served_model_name:
             self.served_model_name = str(self.model_dir)
         self.stall_timeout_s = max(0.0, self.stall_timeout_s)
+        self.lora_modules = tuple(self.lora_modules)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The engine's keyword arguments: every field that declares one (`engine` in its metadata)."""
