@@ -99,11 +99,13 @@ class EngineCore:
         enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching,
         kv_events: KVEventsConfig | None = None,
         quantization: str | None = None,
+        load_format: str = "auto",
     ) -> None:
         """`dtype` / `lora_backend` "auto": see devices.py; `memory_budget` (a fraction or a size, see
         memory.py) sizes the KV cache unless `num_kv_blocks` is given; `enable_prefix_caching`: see
         kv_cache_manager.py; `kv_events`: publish the prefix cache's KV events (kv_events.py); `quantization`:
-        weight-only int8 / int4 base linears (model/quantization.py), counted as such by the memory plan."""
+        weight-only int8 / int4 base linears (model/quantization.py), counted as such by the memory plan;
+        `load_format` "dummy": random weights of the config's shapes, built on the device (`Transformer`)."""
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.device = torch.device(device)
@@ -152,7 +154,12 @@ class EngineCore:
         attn_backend = _attention_backend(backend_name, self.device)
         log.info("decode attention: %s", attn_backend)
         model = Transformer.from_pretrained(
-            self.model_dir, device=self.device, dtype=self.dtype, config=self.config, attn_backend=attn_backend
+            self.model_dir,
+            device=self.device,
+            dtype=self.dtype,
+            config=self.config,
+            attn_backend=attn_backend,
+            load_format=load_format,
         )
         if quantization is not None:
             n = model.quantize_weights(quantization)

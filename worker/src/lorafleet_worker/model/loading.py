@@ -116,5 +116,17 @@ class Checkpoint:
                 param.copy_(value)
 
 
+def init_dummy(model: nn.Module, seed: int = 0) -> None:
+    """Random weights in place of a checkpoint (`--load-format dummy`, as vLLM's): matrices uniform in
+    [-1e-3, 1e-3] as vLLM draws them, norm weights 1 and biases 0, generated on the parameters' device."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.uniform_(-1e-3, 1e-3, generator=gen)
+            else:
+                param.fill_(1.0 if "norm" in name else 0.0)
+
+
 def _normalise(key: str) -> str:
     return key.removeprefix("model.")

@@ -24,7 +24,7 @@ from lorafleet_worker.model import cpu_linear, quantization
 from lorafleet_worker.model.attention import paged_attention
 from lorafleet_worker.model.cpu_linear import Packed
 from lorafleet_worker.model.forward_batch import ForwardBatch, LoRAContext
-from lorafleet_worker.model.loading import Checkpoint, parse_dtype
+from lorafleet_worker.model.loading import Checkpoint, init_dummy, parse_dtype
 from lorafleet_worker.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from lorafleet_worker.ops import cpu_attention
 
@@ -441,21 +441,35 @@ class Transformer(nn.Module):
         dtype: str | torch.dtype = "float32",
         config: ModelConfig | None = None,
         attn_backend: str = "torch",
+        load_format: str = "auto",
     ) -> Transformer:
-        """Load a Hugging Face model directory (`config.json` + `*.safetensors`, sharded or not)."""
+        """Load a Hugging Face model directory (`config.json` + `*.safetensors`, sharded or not); with
+        `load_format="dummy"` only its `config.json`, the weights random (`loading.init_dummy`)."""
         config = config or ModelConfig.from_dir(model_dir)
         dev, dt = torch.device(device), parse_dtype(dtype)
-        with Checkpoint(Path(model_dir)) as ckpt:
-            bias = BiasFlags(
-                qkv=ckpt.has("layers.0.self_attn.q_proj.bias"),
-                o=ckpt.has("layers.0.self_attn.o_proj.bias"),
-                mlp=ckpt.has("layers.0.mlp.gate_proj.bias"),
-            )
+
+        def build(bias: BiasFlags) -> Transformer:
             with torch.device("meta"):
                 model = cls(config, bias, attn_backend)
             model.to(dtype=dt).to_empty(device=dev)
             model.inv_freq = rope_inv_freq(config)[0].to(dev)  # stays float32
-            ckpt.load_into(model)
+            return model
+
+        if load_format == "dummy":
+            model = build(BiasFlags(qkv=config.attention_bias))
+            init_dummy(model)
+        elif load_format == "auto":
+            with Checkpoint(Path(model_dir)) as ckpt:
+                model = build(
+                    BiasFlags(
+                        qkv=ckpt.has("layers.0.self_attn.q_proj.bias"),
+                        o=ckpt.has("layers.0.self_attn.o_proj.bias"),
+                        mlp=ckpt.has("layers.0.mlp.gate_proj.bias"),
+                    )
+                )
+                ckpt.load_into(model)
+        else:
+            raise ValueError(f"unknown load_format {load_format!r}: auto or dummy")
         if dev.type == "cpu":
             model.pack_weights()
         return model.eval()
