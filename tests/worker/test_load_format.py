@@ -38,7 +38,7 @@ def test_dummy_weights_have_the_config_shapes(tiny_models: Any, tmp_path: Path, 
 
 def test_auto_still_needs_the_weights(tiny_models: Any, tmp_path: Path) -> None:
     bare = config_only(tiny_models["llama"], tmp_path / "bare")
-    with pytest.raises(Exception, match="no \\*.safetensors"):
+    with pytest.raises(Exception, match=r"no \*\.safetensors"):
         Transformer.from_pretrained(bare)
     with pytest.raises(ValueError, match="unknown load_format"):
         Transformer.from_pretrained(bare, load_format="npz")
