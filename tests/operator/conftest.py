@@ -4,7 +4,10 @@
 errors) and records every call, so reconcile tests can assert exactly what the operator did.
 A URI containing ``invalid`` is rejected with 400 like a corrupt adapter; ``fail_next`` makes
 the next loads fail with 502 (source unreachable); ``capacity`` (``--max-loaded-loras``) is
-reported by ``GET /v1/loras`` and enforced with 507 like the real worker.
+reported by ``GET /v1/loras`` and enforced with 507 like the real worker. ``PUT /v1/loras/catalog``
+replaces its catalogue (``serves_catalog=False``: an older worker, 405); ``serve`` stands for an
+inference request: a catalogued adapter it does not hold is loaded on demand (unpinned: false in
+the listing's ``pinned`` map).
 
 ``real_fleet`` starts real ``lorafleet-worker serve`` processes laid out like pods (own
 127.0.B.x address, ports 8000/9090) for the integration tests of reconcile and router.
@@ -12,28 +15,33 @@ reported by ``GET /v1/loras`` and enforced with 507 like the real worker.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import pytest
 from aiohttp import web
 from lorafleet_devcluster.nodeagent import AddressBlock
-from lorafleet_operator.resources import Pod
+from lorafleet_operator.controller import Runtime
+from lorafleet_operator.ledger import MemoryLedger
+from lorafleet_operator.reconcile import Reconciler
+from lorafleet_operator.resources import Model, Pod
+from lorafleet_operator.settings import OperatorSettings
+from lorafleet_operator.workers import WorkerClient
 from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash, lora_id
 
-if TYPE_CHECKING:
-    from lorafleet_operator.controller import Runtime
-
 _hosts = itertools.count(20)
+BASE = "tiny/base"
 
 
 @dataclass
@@ -44,6 +52,9 @@ class MgmtWorker:
     calls: list[tuple[str, str]] = field(default_factory=list)  # (method, name)
     fail_next: int = 0
     capacity: int | None = None
+    catalog: list[tuple[str, str]] | None = None  # (name, uri) last PUT; None: never told
+    serves_catalog: bool = True
+    on_demand: set[str] = field(default_factory=set)  # names in ``loras`` loaded by ``serve``, not pinned
     runner: web.AppRunner | None = None
     port: int = 0
 
@@ -76,6 +87,7 @@ class MgmtWorker:
         if name not in self.loras and self.capacity is not None and len(self.loras) >= self.capacity:
             return _error(507, f"cannot load {name}: {self.capacity} adapters loaded (--max-loaded-loras)")
         self.loras[name] = uri
+        self.on_demand.discard(name)  # pinned from now on
         return web.json_response({"status": "success", "message": "ok", "lora_name": name, "lora_id": lora_id(name)})
 
     async def list(self, request: web.Request) -> web.Response:
@@ -83,14 +95,37 @@ class MgmtWorker:
             return denied
         self.calls.append(("GET", ""))
         loras = {n: lora_id(n) for n in self.loras}
-        body = {"status": "success", "loras": loras, "count": len(loras), "capacity": self.capacity}
+        pinned = {n: n not in self.on_demand for n in self.loras}
+        body = {"status": "success", "loras": loras, "count": len(loras), "capacity": self.capacity, "pinned": pinned}
         return web.json_response(body)
+
+    async def put_catalog(self, request: web.Request) -> web.Response:
+        if not self.serves_catalog:
+            return web.json_response({"detail": "Method Not Allowed"}, status=405)
+        if (denied := self._auth(request)) is not None:
+            return denied
+        body = await request.json()
+        self.calls.append(("PUT", "catalog"))
+        self.catalog = [(a["lora_name"], a["source"]["uri"]) for a in body["adapters"]]
+        return web.json_response({"status": "success", "count": len(self.catalog)})
+
+    def serve(self, name: str) -> bool:
+        """An inference request for ``name``: True when served (held, or catalogued and loaded on demand)."""
+        if name in self.loras:
+            return True
+        uri = dict(self.catalog or []).get(name)
+        if uri is None:
+            return False
+        self.loras[name] = uri
+        self.on_demand.add(name)
+        return True
 
     async def unload(self, request: web.Request) -> web.Response:
         if (denied := self._auth(request)) is not None:
             return denied
         name = request.match_info["name"]
         self.calls.append(("DELETE", name))
+        self.on_demand.discard(name)
         if self.loras.pop(name, None) is None:
             return _error(404, f"adapter {name} not found")
         return web.json_response(
@@ -103,6 +138,7 @@ class MgmtWorker:
             [
                 web.post("/v1/loras", self.load),
                 web.get("/v1/loras", self.list),
+                web.put("/v1/loras/catalog", self.put_catalog),
                 web.delete("/v1/loras/{name:.+}", self.unload),
             ]
         )
@@ -121,6 +157,8 @@ class MgmtWorker:
         """Lose every adapter (a worker process restart) and come back on the same port."""
         await self.stop()
         self.loras.clear()
+        self.on_demand.clear()
+        self.catalog = None
         await self.start(self.port)
 
 
@@ -265,3 +303,82 @@ def real_fleet(
         for w in workers:
             w.stop()
         block.close()
+
+
+# ---- the runtime over in-memory objects and MgmtWorkers ------------------------------------------
+@dataclass
+class Cluster:
+    """DynamoModels and pods in memory, the runtime reconciling them against ``workers``."""
+
+    runtime: Runtime
+    workers: list[MgmtWorker]
+    objects: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    clock: int = 0
+
+    def apply(self, name: str, model_name: str, uri: str = "s3://bucket/a", ns: str = "ns", **spec: Any) -> None:
+        key = (ns, name)
+        old = self.objects.get(key)
+        new_spec = {"modelName": model_name, "baseModelName": BASE, "modelType": "lora", "source": {"uri": uri},
+                    **spec}  # fmt: skip
+        if old is None:
+            self.clock += 1
+            meta = {"name": name, "namespace": ns, "uid": f"uid-{ns}-{name}", "generation": 1,
+                    "creationTimestamp": f"2026-01-01T00:00:{self.clock:02d}Z"}  # fmt: skip
+        else:
+            meta = dict(old["metadata"])
+            meta["generation"] += old["spec"] != new_spec
+        body = {"metadata": meta, "spec": new_spec, "status": (old or {}).get("status", {})}
+        self.objects[key] = body
+        self.runtime.on_model("MODIFIED", body)
+
+    async def delete(self, name: str, ns: str = "ns") -> None:
+        body = self.objects[(ns, name)]
+        body = {**body, "metadata": {**body["metadata"], "deletionTimestamp": "2026-01-01T01:00:00Z"}}
+        self.objects[(ns, name)] = body
+        await self.runtime.finalize(body)
+        del self.objects[(ns, name)]
+        self.runtime.on_model("DELETED", body)
+
+    def status(self, name: str, ns: str = "ns") -> dict[str, Any]:
+        return self.objects[(ns, name)].get("status") or {}
+
+    def holders(self, model_name: str) -> set[str]:
+        return {f"worker-{i}" for i, w in enumerate(self.workers) if model_name in w.loras}
+
+    def posts(self) -> int:
+        return sum(1 for w in self.workers for m, _ in w.calls if m == "POST")
+
+    async def settle(self, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.runtime.idle():
+            assert time.monotonic() < deadline, "runtime did not settle"
+            await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def cluster(mgmt_workers: list[MgmtWorker]) -> AsyncIterator[Cluster]:
+    objects: dict[tuple[str, str], dict[str, Any]] = {}
+
+    async def write_status(model: Model, patch: Mapping[str, Any]) -> dict[str, Any] | None:
+        body = objects.get(model.key)
+        if body is None:
+            return None
+        status = {k: v for k, v in {**(body.get("status") or {}), **patch}.items() if v is not None}
+        body = {**body, "status": json.loads(json.dumps(status))}
+        objects[model.key] = body
+        runtime.on_model("MODIFIED", body)
+        return body
+
+    settings = OperatorSettings(
+        default_replicas=2, reconcile_workers=3, drift_interval=3600, retry_base=0.2, retry_max=1
+    )
+    client = WorkerClient(call_timeout=2, load_timeout=5, backoff=0.01)
+    reconciler = Reconciler(
+        client, management_port=mgmt_workers[0].port, ledger=MemoryLedger(), listing_ttl=3600, unload_grace=0
+    )
+    runtime = Runtime(settings, reconciler, write_status)
+    for i, w in enumerate(mgmt_workers):
+        runtime.on_pod("ADDED", pod_body(f"worker-{i}", w.host, True, BASE))
+    runtime.start()
+    yield Cluster(runtime, mgmt_workers, objects)
+    await runtime.stop()

@@ -7,10 +7,7 @@ patches are applied to in-memory objects and fed back as watch events.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -23,87 +20,7 @@ from lorafleet_operator.resources import Model
 from lorafleet_operator.settings import OperatorSettings
 from lorafleet_operator.workers import WorkerClient
 
-from .conftest import MgmtWorker, pod_body, requeue_every_model
-
-BASE = "tiny/base"
-
-
-@dataclass
-class Cluster:
-    """DynamoModels and pods in memory, the runtime reconciling them against ``workers``."""
-
-    runtime: Runtime
-    workers: list[MgmtWorker]
-    objects: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
-    clock: int = 0
-
-    def apply(self, name: str, model_name: str, uri: str = "s3://bucket/a", ns: str = "ns", **spec: Any) -> None:
-        key = (ns, name)
-        old = self.objects.get(key)
-        new_spec = {"modelName": model_name, "baseModelName": BASE, "modelType": "lora", "source": {"uri": uri},
-                    **spec}  # fmt: skip
-        if old is None:
-            self.clock += 1
-            meta = {"name": name, "namespace": ns, "uid": f"uid-{ns}-{name}", "generation": 1,
-                    "creationTimestamp": f"2026-01-01T00:00:{self.clock:02d}Z"}  # fmt: skip
-        else:
-            meta = dict(old["metadata"])
-            meta["generation"] += old["spec"] != new_spec
-        body = {"metadata": meta, "spec": new_spec, "status": (old or {}).get("status", {})}
-        self.objects[key] = body
-        self.runtime.on_model("MODIFIED", body)
-
-    async def delete(self, name: str, ns: str = "ns") -> None:
-        body = self.objects[(ns, name)]
-        body = {**body, "metadata": {**body["metadata"], "deletionTimestamp": "2026-01-01T01:00:00Z"}}
-        self.objects[(ns, name)] = body
-        await self.runtime.finalize(body)
-        del self.objects[(ns, name)]
-        self.runtime.on_model("DELETED", body)
-
-    def status(self, name: str, ns: str = "ns") -> dict[str, Any]:
-        return self.objects[(ns, name)].get("status") or {}
-
-    def holders(self, model_name: str) -> set[str]:
-        return {f"worker-{i}" for i, w in enumerate(self.workers) if model_name in w.loras}
-
-    def posts(self) -> int:
-        return sum(1 for w in self.workers for m, _ in w.calls if m == "POST")
-
-    async def settle(self, timeout: float = 20) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.runtime.idle():
-            assert time.monotonic() < deadline, "runtime did not settle"
-            await asyncio.sleep(0.02)
-
-
-@pytest.fixture
-async def cluster(mgmt_workers: list[MgmtWorker]) -> AsyncIterator[Cluster]:
-    objects: dict[tuple[str, str], dict[str, Any]] = {}
-
-    async def write_status(model: Model, patch: Mapping[str, Any]) -> dict[str, Any] | None:
-        body = objects.get(model.key)
-        if body is None:
-            return None
-        status = {k: v for k, v in {**(body.get("status") or {}), **patch}.items() if v is not None}
-        body = {**body, "status": json.loads(json.dumps(status))}
-        objects[model.key] = body
-        runtime.on_model("MODIFIED", body)
-        return body
-
-    settings = OperatorSettings(
-        default_replicas=2, reconcile_workers=3, drift_interval=3600, retry_base=0.2, retry_max=1
-    )
-    client = WorkerClient(call_timeout=2, load_timeout=5, backoff=0.01)
-    reconciler = Reconciler(
-        client, management_port=mgmt_workers[0].port, ledger=MemoryLedger(), listing_ttl=3600, unload_grace=0
-    )
-    runtime = Runtime(settings, reconciler, write_status)
-    for i, w in enumerate(mgmt_workers):
-        runtime.on_pod("ADDED", pod_body(f"worker-{i}", w.host, True, BASE))
-    runtime.start()
-    yield Cluster(runtime, mgmt_workers, objects)
-    await runtime.stop()
+from .conftest import BASE, Cluster, MgmtWorker, pod_body, requeue_every_model
 
 
 def ready_reason(status: dict[str, Any]) -> tuple[str | None, str | None]:

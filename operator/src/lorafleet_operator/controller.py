@@ -19,6 +19,8 @@
   ``reconcile.Result`` and the runtime alone decides what to queue from it: a failed pass again
   with ``add_rate_limited`` (a successful one ``forget``s its failures), ``requeue_after`` with
   ``add_after``, a ``followup`` once its status is published.
+- ``catalog.Catalogs`` tells every Ready worker pod the catalogue of its base model (the adapters
+  it may load on demand), fed by the index's changes and the pod events.
 - A drift timer runs ``drift.drift_pass`` every ``drift_interval`` seconds: one listing per pod,
   re-queueing only models whose pods differ, unloading orphans the ledger says we placed.
 - DynamoModels are watched by the runtime's own ``Informer`` (``watch_models``), not by kopf:
@@ -47,6 +49,7 @@ from lorafleet_operator import metrics
 from lorafleet_operator import status as st
 from lorafleet_operator.api import KIND, model_path, models_path, object_reference
 from lorafleet_operator.autoscale import RouterDemand
+from lorafleet_operator.catalog import Catalogs
 from lorafleet_operator.finalizers import Finalizers
 from lorafleet_operator.index import Key, ModelIndex, key_of
 from lorafleet_operator.inventory import WorkerInventory
@@ -84,8 +87,12 @@ class Runtime:
         self.write_status = write_status
         self.kube = kube
         self.queue: WorkQueue[Key] = WorkQueue(settings.retry_base, settings.retry_max)
-        self.index = ModelIndex(on_claim_change=self.queue.add)
         self.inventory: WorkerInventory = reconciler.inventory  # one inventory: the reconciler reads what we feed
+        self.catalogs = Catalogs(
+            reconciler.client, reconciler.port, lambda ns, h: self.index.catalog(ns, h), self.inventory.pods_of,
+            settings.retry_base, settings.retry_max,
+        )  # fmt: skip
+        self.index = ModelIndex(on_claim_change=self.queue.add, on_change=self.catalogs.on_model)
         self.finalizers = Finalizers(kube, self.finalize, settings.retry_base, settings.retry_max)
         self.phases: dict[Key, str] = {}
         self.replicas: dict[Key, int] = {}  # LoRA models: the pods each one's last pass wants (Result.replicas)
@@ -134,6 +141,7 @@ class Runtime:
 
     def on_pod(self, kind: str | None, body: Mapping[str, Any]) -> None:
         old, pod = self.inventory.on_pod(kind, body)
+        self.catalogs.on_pod(pod, old)
         was = old is not None and old.ready and bool(old.ip)
         now = pod.ready and bool(pod.ip)
         moved = old is not None and (old.uid, old.ip, old.base_hash) != (pod.uid, pod.ip, pod.base_hash)
@@ -174,6 +182,7 @@ class Runtime:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._work()) for _ in range(self.settings.reconcile_workers)]
         self.spawn(self._write_claims())
+        self.spawn(self.catalogs.run())
         self.spawn(self._drift())
         if self.settings.demand_urls:
             self.spawn(self._autoscale(RouterDemand(self.settings.demand_urls)))

@@ -7,6 +7,8 @@ Per pod, against the DynamoModels that own their names (``ModelIndex.owners``):
 - a name no DynamoModel wants that the ledger says the operator placed (a renamed modelName, a
   DynamoModel deleted while the operator was down): unloaded here;
 - any other name (loaded by hand, by another tool) is left alone.
+Adapters a worker loaded on demand (unpinned) are not placement: they are never re-queued for,
+only unloaded as orphans when no DynamoModel wants them.
 A name in the ledger that no listed pod holds any more is crossed out. Steady state costs one
 listing per pod and no model reconcile.
 """
@@ -75,15 +77,16 @@ async def drift_pass(
                 complete = False
                 continue
             report.listed += 1
-            held |= names
+            on_demand = inventory.on_demand(pod)
+            held |= names | on_demand
             for key, name in placed_on.get(pod.name, ()):
                 if name not in names:
                     flag(key)
-            for name in sorted(names):
+            for name in sorted(names | on_demand):
                 if name in want:
                     key, model = want[name]
-                    if pod.name not in (model.status.get("placement") or []):
-                        flag(key)
+                    if name in names and pod.name not in (model.status.get("placement") or []):
+                        flag(key)  # an on-demand copy is not the placement's: left to the worker
                 elif (
                     name in ours
                     and not wanted_now(namespace, base_hash, name)

@@ -8,6 +8,8 @@ the next reconcile read, without waiting for the watch to echo it.
 Name ownership: among live LoRA DynamoModels with the same (base model, ``modelName``) the
 oldest (creationTimestamp, then namespace/name) owns the name. A change of who claims a name
 calls ``on_claim_change`` for every claimant of it (they re-reconcile: one of them may now own it).
+Every write calls ``on_change(old, new)`` (None for an object that appeared or went), for what is
+derived from the objects (the workers' catalogues: ``catalog.Catalogs``); ``catalog`` reads one.
 """
 
 from __future__ import annotations
@@ -37,10 +39,15 @@ def key_of(body: Mapping[str, Any]) -> Key:
 class ModelIndex:
     """DynamoModels by (namespace, name), and the live LoRA claimants of each served name."""
 
-    def __init__(self, on_claim_change: Callable[[Key], None] = lambda _k: None) -> None:
+    def __init__(
+        self,
+        on_claim_change: Callable[[Key], None] = lambda _k: None,
+        on_change: Callable[[Model | None, Model | None], None] = lambda _old, _new: None,
+    ) -> None:
         self._entries: dict[Key, _Entry] = {}
         self._claimants: defaultdict[ServedName, set[Key]] = defaultdict(set)
         self._on_claim_change = on_claim_change
+        self._on_change = on_change
 
     # ---- writes -------------------------------------------------------------------------
     def apply(self, body: Mapping[str, Any]) -> tuple[Model | None, Model]:
@@ -50,6 +57,7 @@ class ModelIndex:
         model = Model.from_body(body)
         self._entries[key] = _Entry(dict(body), model)
         self._claim(key, old.model if old else None, model)
+        self._on_change(old.model if old else None, model)
         return (old.model if old else None, model)
 
     def refresh(self, body: Mapping[str, Any] | None) -> None:
@@ -64,6 +72,7 @@ class ModelIndex:
         old = self._entries.pop(key, None)
         if old is not None:
             self._claim(key, old.model, None)
+            self._on_change(old.model, None)
         return old.model if old else None
 
     def _claim(self, key: Key, old: Model | None, new: Model | None) -> None:
@@ -127,6 +136,16 @@ class ModelIndex:
             for k, m in self.items()
             if k[0] == namespace and m.is_lora and not m.deleting and m.base_hash == base_hash
         ]
+
+    def catalog(self, namespace: str, base_hash: str) -> list[tuple[str, str]]:
+        """The workers' catalogue of one base model in one namespace: (modelName, URI) of every
+        LoRA DynamoModel that owns its name and has a version to load (``Model.catalog_uri``), by name."""
+        out = []
+        for _key, model in self.loras_of(namespace, base_hash):
+            uri = model.catalog_uri
+            if uri is not None and self.owner(model) is model:
+                out.append((model.model_name, uri))
+        return sorted(out)
 
     def bases_of(self, namespace: str, base_hash: str | None) -> list[Key]:
         """Base-model DynamoModels (they list every pod of their base model)."""

@@ -5,6 +5,10 @@ What a pod holds comes from its ``GET /v1/loras`` (names and capacity), cached p
 ``listing_ttl`` (the drift pass refreshes every listing), plus what the operator itself loaded
 there (``loaded_uri``: which version, to tell a hot swap from a no-op). A pod that restarts,
 turns unready or goes is forgotten at once: a restarted worker comes back empty.
+
+A listing's names are the pinned adapters, the placement's; adapters a worker loaded on demand
+(``on_demand``) are kept apart: they count neither as placement nor as drift, and are unloaded
+only when their model goes away or is scaled to zero.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class _Listing:
     names: set[str]
     fetched: float
     capacity: int | None = None  # adapters the pod can hold (None: unlimited / not reported)
+    on_demand: set[str] = dataclasses.field(default_factory=set)  # loaded by the worker for a request
 
 
 class WorkerInventory:
@@ -102,13 +107,16 @@ class WorkerInventory:
             del self._loaded[key]
 
     async def fresh_listing(self, pod: Pod) -> set[str] | None:
-        """``GET /v1/loras`` now, kept (names and capacity) as the pod's cached listing; None on failure."""
+        """``GET /v1/loras`` now, kept (names, capacity, on-demand names) as the pod's cached listing;
+        the pinned names, or None on failure."""
         try:
             inventory = await self.client.inventory(pod.address(self.port))
         except WorkerError as e:
             log.warning("cannot list adapters on pod %s: %s", pod.name, e)
             return None
-        self._listings[pod.uid] = _Listing(set(inventory.names), time.monotonic(), inventory.capacity)
+        self._listings[pod.uid] = _Listing(
+            set(inventory.names), time.monotonic(), inventory.capacity, set(inventory.on_demand)
+        )
         return set(inventory.names)
 
     async def listing(self, pod: Pod) -> set[str] | None:
@@ -143,10 +151,18 @@ class WorkerInventory:
         listing = self._listings.get(pod.uid)
         return listing.capacity if listing is not None else None
 
-    def may_hold(self, pod: Pod, name: str) -> bool:
-        """Whether ``pod`` was last seen holding ``name`` or we loaded it there."""
+    def on_demand(self, pod: Pod) -> set[str]:
+        """The adapters ``pod`` last listed as loaded on demand (unpinned)."""
         listing = self._listings.get(pod.uid)
-        return (listing is not None and name in listing.names) or (pod.uid, name) in self._loaded
+        return listing.on_demand if listing is not None else set()
+
+    def may_hold(self, pod: Pod, name: str) -> bool:
+        """Whether ``pod`` was last seen holding ``name`` (pinned or on demand) or we loaded it there."""
+        listing = self._listings.get(pod.uid)
+        return (listing is not None and (name in listing.names or name in listing.on_demand)) or (
+            pod.uid,
+            name,
+        ) in self._loaded
 
     def loaded_uri(self, pod: Pod, name: str) -> str | None:
         """The URI we loaded (or adopted) as ``name`` on ``pod``."""
@@ -155,6 +171,8 @@ class WorkerInventory:
     def note(self, pod: Pod, name: str, uri: str | None) -> None:
         """``name`` is now loaded on ``pod`` from ``uri`` (None: unloaded)."""
         listing = self._listings.get(pod.uid)
+        if listing:
+            listing.on_demand.discard(name)  # a load pins it; an unload removes either kind
         if uri is None:
             self._loaded.pop((pod.uid, name), None)
             if listing:

@@ -105,6 +105,16 @@ class Model:
         return self.model_type == "lora"
 
     @property
+    def catalog_uri(self) -> str | None:
+        """The URI a worker may load this adapter from on demand (its catalogue entry): the version
+        the operator last loaded on its whole placement (``status.servedUri``); None while nothing
+        has served, for other model types and while it is being deleted. Only the owner of a name
+        is catalogued (``seniority``)."""
+        if not self.is_lora or self.deleting:
+            return None
+        return str(self.status.get("servedUri") or "") or None
+
+    @property
     def seniority(self) -> tuple[str, str, str]:
         """Sort key of name ownership: the oldest (creationTimestamp, then namespace/name) first."""
         return (self.created, self.namespace, self.name)

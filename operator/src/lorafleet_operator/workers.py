@@ -1,4 +1,5 @@
-"""Client of the workers' management API (SPEC §3): load, unload, list (with the worker's capacity).
+"""Client of the workers' management API (SPEC §3): load, unload, list (with the worker's capacity),
+and the catalogue of adapters a worker may load on demand (``PUT /v1/loras/catalog``).
 
 Every call has a timeout and a bounded number of in-flight calls (one semaphore
 for the whole client); connection failures and 502/503/504 are retried a few
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -45,10 +47,19 @@ class WorkerError(Exception):
 
 @dataclass(frozen=True)
 class Inventory:
-    """What ``GET /v1/loras`` says: the adapters a worker holds and how many it can hold."""
+    """What ``GET /v1/loras`` says: the adapters a worker holds and how many it can hold.
+
+    ``names`` are the pinned adapters (loaded by ``POST /v1/loras``: the placement's); ``on_demand``
+    the ones the worker loaded itself for a request naming a catalogued adapter (``false`` in the
+    answer's ``pinned`` map, a lorafleet extension; a worker without it pins everything)."""
 
     names: set[str]
     capacity: int | None  # None: unlimited, or a worker that does not report it
+    on_demand: frozenset[str] = frozenset()
+
+
+class CatalogUnsupported(WorkerError):
+    """The worker does not serve ``PUT /v1/loras/catalog`` (an older worker: 404 or 405)."""
 
 
 class WorkerClient:
@@ -89,6 +100,20 @@ class WorkerClient:
         body = {"lora_name": name, "source": {"uri": uri}}
         return await self._call("load", "POST", address, "/v1/loras", self._load_timeout, json=body)
 
+    async def put_catalog(self, address: str, adapters: Iterable[tuple[str, str]]) -> int:
+        """PUT /v1/loras/catalog: replace the worker's catalogue with these (name, URI) pairs, each the
+        body ``load`` would send. Returns the count the worker holds; ``CatalogUnsupported`` for an
+        older worker."""
+        body = {"adapters": [{"lora_name": name, "source": {"uri": uri}} for name, uri in adapters]}
+        try:
+            data = await self._call("catalog", "PUT", address, "/v1/loras/catalog", self._call_timeout, json=body)
+        except WorkerError as e:
+            if e.status in (404, 405):
+                raise CatalogUnsupported(e.status, e.message) from e
+            raise
+        count = data.get("count")
+        return count if isinstance(count, int) else len(body["adapters"])
+
     async def unload(self, address: str, name: str) -> bool:
         """DELETE /v1/loras/{name}; False when the worker did not have it (404)."""
         try:
@@ -100,7 +125,7 @@ class WorkerClient:
         return True
 
     async def list(self, address: str) -> set[str]:
-        """GET /v1/loras: the names of the adapters the worker holds."""
+        """GET /v1/loras: the names of the adapters the worker holds pinned."""
         return (await self.inventory(address)).names
 
     async def inventory(self, address: str) -> Inventory:
@@ -109,7 +134,9 @@ class WorkerClient:
         loras, capacity = data.get("loras"), data.get("capacity")
         if not isinstance(loras, dict) or not (capacity is None or (isinstance(capacity, int) and capacity >= 0)):
             raise WorkerError(None, f"malformed GET /v1/loras answer from {address}")
-        return Inventory(set(loras), capacity)
+        pinned = data.get("pinned")  # name -> false for an adapter loaded on demand (absent: pinned)
+        unpinned = frozenset(n for n, p in pinned.items() if p is False) if isinstance(pinned, Mapping) else frozenset()
+        return Inventory(set(loras) - unpinned, capacity, unpinned & set(loras))
 
     async def _call(self, op: str, method: str, address: str, path: str, timeout: float, **kw: Any) -> dict[str, Any]:
         url = yarl.URL(address.rstrip("/") + path, encoded=True)
