@@ -195,6 +195,19 @@ class WorkerMetrics:
             buckets=_LOAD_BUCKETS,
             registry=r,
         )
+        self.lora_on_demand_loads = Counter(
+            "lorafleet_lora_on_demand_loads",
+            "Adapters loaded on demand (a request named a catalogued adapter the worker did not hold) by outcome: "
+            "success, error (fetch or validation failed), capacity (no place and nothing evictable)",
+            ["outcome"],
+            registry=r,
+        )
+        self.lora_on_demand_evictions = Counter(
+            "lorafleet_lora_on_demand_evictions",
+            "Adapters loaded on demand that were unloaded to make room under --max-loaded-loras "
+            "(least recently used, no request in flight)",
+            registry=r,
+        )
         self.loras_registered = Gauge("lorafleet_lora_registered", "Adapters registered on this worker", registry=r)
         self.max_loras = Gauge("lorafleet_max_loras", "GPU adapter slots (--max-loras)", registry=r)
         self.max_cpu_loras = Gauge("lorafleet_max_cpu_loras", "CPU-tier capacity (--max-cpu-loras)", registry=r)

@@ -8,7 +8,8 @@ import importlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,10 @@ from urllib.parse import quote
 
 from lorafleet_sync.errors import SourceError
 from lorafleet_sync.ids import lora_id
+from lorafleet_sync.uris import URIError, parse_uri
 
 from lorafleet_worker.api.protocol import APIError, check_lora_name
+from lorafleet_worker.catalog import Catalog
 from lorafleet_worker.host import huge_pages
 from lorafleet_worker.metrics import WorkerMetrics
 from lorafleet_worker.settings import WorkerSettings
@@ -57,6 +60,10 @@ class KeyedLocks:
             else:
                 self._locks[key] = (lock, users - 1)
 
+    def busy(self, key: str) -> bool:
+        """Someone holds or waits for `key`'s lock."""
+        return key in self._locks
+
 
 @dataclass
 class LoadResult:
@@ -71,6 +78,13 @@ class WorkerService:
 
     Loads, swaps and unloads of one name are serialized by a per-name lock; different names
     proceed concurrently.
+
+    Adapters on demand: an inference request may name an adapter that the worker does not hold but
+    that is in its catalogue (`set_catalog`); the worker then loads it itself (one load per name however
+    many requests wait, each waiting at most `--lora-load-timeout`). Such an adapter is unpinned; one
+    loaded by the management API is pinned (and a management load of an unpinned one pins it). When
+    `--max-loaded-loras` adapters are held, a load first evicts the least recently used unpinned adapter
+    that no request holds; a pinned adapter is never evicted.
     """
 
     def __init__(self, settings: WorkerSettings, metrics: WorkerMetrics | None = None) -> None:
@@ -81,6 +95,11 @@ class WorkerService:
         self._tokenizer: Tokenizer | None = None
         self._sources: AdapterSources | None = None
         self._locks = KeyedLocks()
+        self._catalog = Catalog()
+        self._unpinned: set[str] = set()  # held adapters that were loaded on demand
+        self._recent: OrderedDict[str, None] = OrderedDict()  # held adapters, least recently used first
+        self._loading: set[str] = set()  # names being fetched and loaded (they count against the capacity)
+        self._flights: dict[str, asyncio.Future[None]] = {}  # on-demand loads in progress, by name
         self.metrics.max_loras.set(settings.max_loras)
         self.metrics.max_cpu_loras.set(settings.max_cpu_loras)
         self.metrics.loras_registered.set_function(lambda: len(self.adapter_uris()))
@@ -181,6 +200,36 @@ class WorkerService:
         manager = self._adapters()
         return manager.sources() if manager is not None else {}
 
+    def pinned(self) -> dict[str, bool]:
+        """Every loaded adapter by name: True when the management API placed it, False when loaded on demand."""
+        return {name: name not in self._unpinned for name in self.adapter_uris()}
+
+    # --- the catalogue -----------------------------------------------------------------------------
+
+    def set_catalog(self, entries: Iterable[tuple[str, str]]) -> int:
+        """Replace the catalogue with `entries` (name, source URI); a bad entry is a 400 and changes nothing."""
+        if not self.settings.lora_enabled:
+            raise APIError(400, "LoRA is disabled on this worker (DYN_LORA_ENABLED=false)")
+        catalog: dict[str, str] = {}
+        for name, uri in entries:
+            check_lora_name(name)
+            if name == self.model_name:
+                raise APIError(400, f"lora_name {name!r} is the base model's name", param="lora_name")
+            if name in catalog:
+                raise APIError(400, f"lora_name {name!r} appears more than once in the catalogue", param="lora_name")
+            try:
+                parse_uri(uri)
+            except URIError as e:
+                raise APIError(400, f"adapter {name!r}: {e}", param="source.uri") from e
+            catalog[name] = uri
+        self._catalog.replace(catalog)
+        log.info("adapter catalogue replaced: %d adapters", len(catalog))
+        return len(catalog)
+
+    def catalog(self) -> dict[str, str]:
+        """The catalogue: every adapter this worker may load on demand and its source URI, by name."""
+        return self._catalog.entries()
+
     # --- the engine, as the HTTP handlers use it ---------------------------------------------------
 
     @property
@@ -207,8 +256,21 @@ class WorkerService:
         adapter: str | None,
         grammar: CompiledGrammar | None = None,
     ) -> AsyncIterator[TokenOutput]:
-        """Submit a request to the engine (core/engine.py `Engine.generate`)."""
-        return self.engine.generate(request_id, prompt_ids, params, adapter, grammar=grammar)
+        """Submit a request to the engine (core/engine.py `Engine.generate`). A catalogued adapter evicted between
+        `serve_model` and here (other adapters' loads under full capacity) is a 503 to retry, not a 404."""
+        from lorafleet_worker.lora.errors import AdapterNotFoundError
+
+        try:
+            return self.engine.generate(request_id, prompt_ids, params, adapter, grammar=grammar)
+        except AdapterNotFoundError:
+            if adapter is None or self._catalog.uri_of(adapter) is None:
+                raise
+            raise APIError(
+                503,
+                f"LoRA adapter '{adapter}' was evicted before this request started; retry",
+                param="model",
+                type="capacity",
+            ) from None
 
     def interrupt(self, request_id: str, exc: BaseException) -> None:
         """The request's token stream raises `exc` at its next read (no-op once the engine is gone)."""
@@ -216,13 +278,122 @@ class WorkerService:
             self._engine.interrupt(request_id, exc)
 
     def resolve_model(self, model: str) -> str | None:
-        """The adapter a request's `model` names (None = the base model); 404 when unknown."""
+        """The adapter a request's `model` names (None = the base model): one the worker holds or one in its
+        catalogue (`serve_model` loads it); 404 when neither."""
         if model == self.model_name:
             return None
-        manager = self._adapters()
-        if manager is not None and manager.source_of(model) is not None:
+        if self._source_of(model) is not None:
+            if model in self._recent:
+                self._recent.move_to_end(model)
+            return model
+        if self._catalog.uri_of(model) is not None and self.settings.lora_enabled:
             return model
         raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    async def serve_model(self, model: str) -> str | None:
+        """`resolve_model`, then load a catalogued adapter that the worker does not hold (on demand): one load
+        per name, each caller waiting at most `--lora-load-timeout` seconds (then a 503 naming it)."""
+        adapter = self.resolve_model(model)
+        if adapter is None or self._source_of(adapter) is not None:
+            return adapter
+        flight = self._flights.get(adapter)
+        if flight is None:
+            flight = asyncio.ensure_future(self._load_on_demand(adapter))
+            self._flights[adapter] = flight
+            flight.add_done_callback(lambda f: self._landed(adapter, f))
+        timeout = self.settings.lora_load_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(flight), timeout)
+        except TimeoutError:
+            log.warning(
+                "request for adapter %s gave up after %gs: its on-demand load is still running", adapter, timeout
+            )
+            raise APIError(
+                503,
+                f"LoRA adapter '{adapter}' is being loaded and was not ready within {timeout:g}s; retry later",
+                param="model",
+            ) from None
+        return adapter
+
+    def _landed(self, name: str, flight: asyncio.Future[None]) -> None:
+        if self._flights.get(name) is flight:
+            del self._flights[name]
+        if not flight.cancelled():
+            flight.exception()  # every waiter has been answered: nothing else reads it
+
+    async def _load_on_demand(self, name: str) -> None:
+        """Load catalogued `name` unpinned, after making room for it; every failure is a 503 naming it."""
+        engine = self.engine
+        async with self._locks.hold(name):
+            if self._source_of(name) is not None:  # loaded meanwhile
+                return
+            uri = self._catalog.uri_of(name)
+            if uri is None:
+                raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+            if not await self._make_room(name):
+                self.metrics.lora_on_demand_loads.labels(outcome="capacity").inc()
+                raise APIError(
+                    503,
+                    f"cannot load LoRA adapter '{name}': all {self.capacity()} adapter places (--max-loaded-loras) "
+                    "hold pinned adapters or adapters with requests in flight",
+                    param="model",
+                    type="capacity",
+                )
+            t0 = time.monotonic()
+            self._loading.add(name)
+            try:
+                path = await self._fetch(uri)
+                await self._add_to_engine(engine, name, path, uri, replace=False)
+            except APIError as e:
+                self.metrics.lora_on_demand_loads.labels(outcome="error").inc()
+                log.warning("on-demand load of adapter %s from %s failed: %s", name, uri, e.message)
+                raise APIError(503, f"LoRA adapter '{name}' could not be loaded: {e.message}", param="model") from e
+            finally:
+                self._loading.discard(name)
+            self._unpinned.add(name)
+            self._recent[name] = None
+            self._pin(uri, True)
+        elapsed = time.monotonic() - t0
+        self.metrics.lora_on_demand_loads.labels(outcome="success").inc()
+        self.metrics.lora_load_latency.observe(elapsed)
+        log.info("adapter %s loaded on demand from %s in %.2fs (lora_id %d)", name, uri, elapsed, lora_id(name))
+
+    async def _make_room(self, name: str) -> bool:
+        """Make a place for a new adapter `name` under `--max-loaded-loras`, evicting the least recently used
+        unpinned adapter that no request holds if need be; False when there is no place and nothing to evict."""
+        capacity = self.capacity()
+        if capacity is None or len(self.adapter_uris().keys() | self._loading) < capacity:
+            return True
+        manager = self._adapters()
+        victim = next(
+            (
+                held
+                for held in self._recent
+                if held in self._unpinned and not self._locks.busy(held) and manager and manager.in_flight(held) == 0
+            ),
+            None,
+        )
+        if victim is None:
+            return False
+        uri = self._source_of(victim)
+        await self.engine.remove_adapter(victim)  # removed before anything else runs: no request can take it now
+        self._forget(victim)
+        if uri is not None:
+            self._pin(uri, False)
+        self.metrics.lora_on_demand_evictions.inc()
+        log.info(
+            "adapter %s evicted to make room for %s: loaded on demand, least recently used, no request in flight "
+            "(--max-loaded-loras %d reached)",
+            victim,
+            name,
+            capacity,
+        )
+        return True
+
+    def _forget(self, name: str) -> None:
+        """`name` is no longer held: drop its on-demand bookkeeping."""
+        self._unpinned.discard(name)
+        self._recent.pop(name, None)
 
     async def load_adapter(self, name: str, uri: str, *, replace: bool = True) -> LoadResult:
         """Load `uri` as `name`: idempotent for the same URI, a hot swap for a different one.
@@ -239,6 +410,9 @@ class WorkerService:
         async with self._locks.hold(name):
             previous = self._source_of(name)
             if previous == uri:
+                if name in self._unpinned:
+                    self._unpinned.discard(name)
+                    log.info("adapter %s (loaded on demand) pinned", name)
                 return LoadResult(name, lora_id(name), f"LoRA adapter '{name}' already loaded")
             if previous is not None and not replace:
                 raise APIError(
@@ -246,12 +420,19 @@ class WorkerService:
                     f"LoRA adapter '{name}' is already loaded from {previous}; set load_inplace: true to replace it",
                     param="load_inplace",
                 )
+            if previous is None:
+                await self._make_room(name)  # without a place the engine answers 507
+                self._loading.add(name)
             try:
                 path = await self._fetch(uri)
                 await self._add_to_engine(engine, name, path, uri, replace=previous is not None)
             except APIError:
                 self.metrics.lora_loads.labels(outcome="error").inc()
                 raise  # logged by the HTTP error handler
+            finally:
+                self._loading.discard(name)
+            self._unpinned.discard(name)
+            self._recent[name] = None
             self._pin(uri, True)
             if previous is not None:
                 self._pin(previous, False)
@@ -275,6 +456,7 @@ class WorkerService:
             try:
                 await engine.remove_adapter(name)  # refuses new requests at once, then waits for the in-flight
             finally:
+                self._forget(name)
                 self._pin(uri, False)
         elapsed = time.monotonic() - t0
         self.metrics.lora_unloads.labels(outcome="success").inc()

@@ -160,6 +160,12 @@ class AdapterManager:
             v = self._registry.get(name)
             return v.source if v is not None else None
 
+    def in_flight(self, name: str) -> int:
+        """How many requests hold `name`'s current version (0 when it is not registered)."""
+        with self._lock:
+            v = self._registry.get(name)
+            return v.refs if v is not None else 0
+
     def sources(self) -> dict[str, str]:
         """Every registered name and where its current version came from, by name."""
         with self._lock:
