@@ -6,6 +6,10 @@ aiohttp process that can run several replicas):
   ``ready: true`` whose pods are Ready; the routing policy (policy.py) picks one: by default
   the one most likely to hold the prompt's prefix in its KV cache within a load bound, else the one
   with the fewest in-flight requests through this router;
+- a catalogued adapter (``Model.catalog_uri``) with no holder -> its rendezvous pod among the Ready
+  pods of its base model (the first of its HRW order, ``placement.rank``, as the operator's placement),
+  which loads it on demand from the catalogue the operator gave it; the operator's placement then
+  keeps it there;
 - any other name -> Ready pods labelled ``nvidia.com/dynamo-base-model-hash`` = sha256(name)[:8]
   (base models; known base names come from DynamoModels' ``baseModelName`` / base entries).
 
@@ -49,6 +53,7 @@ from aiohttp import web
 from lorafleet_operator import status as st
 from lorafleet_operator.api import models_path
 from lorafleet_operator.kube import Informer, KubeClient, collection_path
+from lorafleet_operator.placement import rank
 from lorafleet_operator.resources import Model, Pod
 from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -123,6 +128,18 @@ class RoutingTable:
                 out.append(self._url(host))  # pod not (yet) seen by the pod watch: trust the status
         return out or terminating
 
+    def rendezvous_endpoint(self, model: Model) -> list[str]:
+        """A catalogued adapter's rendezvous pod (the first of its HRW order among the Ready pods of its
+        base model in its namespace), which loads it on demand; [] when it is not catalogued or no pod is Ready."""
+        if model.catalog_uri is None:
+            return []
+        pods = {
+            p.name: p for p in self.pods.values()
+            if p.namespace == model.namespace and p.base_hash == model.base_hash and p.ready and p.ip
+        }  # fmt: skip
+        first = next(iter(rank(model.model_name, pods)), None)
+        return [] if first is None else [self._url(str(pods[first].ip))]
+
     def base_endpoints(self, name: str) -> list[str]:
         wanted = base_model_hash(name)
         return sorted(self._url(p.ip) for p in self.pods.values() if p.base_hash == wanted and p.ready and p.ip)
@@ -141,7 +158,7 @@ class RoutingTable:
                 for other in self.by_name.get(name, {}).values():
                     if other.deleting and other.is_lora:
                         endpoints += self.adapter_endpoints(other)
-            return "adapter", endpoints
+            return "adapter", endpoints or self.rendezvous_endpoint(model)
         endpoints = self.base_endpoints(name)
         if endpoints or name in self.base_names():
             return "base", endpoints
@@ -153,7 +170,8 @@ class RoutingTable:
             if self.base_endpoints(base):
                 data.append(_model_card(base, self.created.get(base, 0), None))
         for model in sorted(self.models.values(), key=lambda m: m.model_name):
-            if model.is_lora and not model.deleting and self.adapter_endpoints(model):
+            servable = self.adapter_endpoints(model) or self.rendezvous_endpoint(model)  # on demand
+            if model.is_lora and not model.deleting and servable:
                 data.append(_model_card(model.model_name, self.created.get(model.model_name, 0), model.base_model_name))
         return data
 
