@@ -10,7 +10,13 @@ achieved bandwidth (the minimum bytes the op must move / time) and FLOP/s, also 
 peak (table `PEAKS`, matched by device name).
 
 End to end: `Engine` decode tokens/s with 64 concurrent requests over 1, 16 and 64 adapters vs base only,
-for the triton and the torch LoRA backends.
+for the triton and the torch LoRA backends, on a ~100M-parameter model.
+
+End to end on the shape people serve (Llama-3-8B, `bench/model_shape.py`): random bf16 weights built on the
+device (`--load-format dummy`), 64 sequences of 512 prompt and 128 output tokens, base and over 1, 16 and 64
+adapters of rank 16 and 16 and 64 of mixed ranks 8-64 (all seven projections); decode tokens/s, step time, the
+bytes a step must move and the share of the measured copy bandwidth that achieves, prefill time and its share
+of the measured bf16 matmul rate.
 
     python bench/bench_gpu.py                        # needs CUDA; writes bench/gpu.json and bench/gpu.md
     python bench/bench_gpu.py --dry-run              # CPU, Triton interpreter, tiny shapes (checks the script)
@@ -32,7 +38,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (bench.kernel_inputs)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIXED_RANKS, OUT_DIR, bench_adapter, bench_model, log, machine
+from common import CACHE, MIXED_RANKS, OUT_DIR, bench_adapter, bench_model, log, machine
+from model_shape import (
+    DRY_SHAPE,
+    LLAMA3_8B,
+    Shape,
+    decode_step_bytes,
+    prefill_flops,
+    shape_model_dir,
+    write_peft_adapter,
+)
 
 # device name substring -> (HBM GB/s, dense fp16/bf16 tensor-core TFLOP/s); first match wins
 PEAKS: list[tuple[str, float, float]] = [
@@ -250,6 +265,7 @@ async def _decode_run(
     return {
         "tokens": sum(n for n, _ in results),
         "seconds": round(end - t0, 3),
+        "prefill_s": round(decode_start - t0, 3),
         "tokens_per_s": round(sum(n for n, _ in results) / (end - t0), 1),
         "decode_tokens_per_s": round(decode_tokens / max(end - decode_start, 1e-9), 1) if decode_start < end else None,
     }
@@ -298,6 +314,165 @@ async def bench_e2e(
         await engine.stop()
 
 
+def measured_rates(device: Any, timer: Callable, dry_run: bool) -> dict[str, float]:
+    """The device's bandwidth (a device-to-device copy) and bf16 matmul rate, measured: the roofline's bars."""
+    import torch
+
+    n = 1 << (20 if dry_run else 30)
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    t_copy = timer(lambda: dst.copy_(src))
+    m = 256 if dry_run else 8192
+    a = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    b = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    t_mm = timer(lambda: a @ b)
+    return {"copy_GBps": 2 * src.nbytes / t_copy / 1e9, "matmul_TFLOPs": 2 * m**3 / t_mm / 1e12}
+
+
+async def bench_shape(
+    shape: Shape,
+    model_dir: Path,
+    families: dict[str, list[tuple[Path, int]]],
+    counts: dict[str, tuple[int, ...]],
+    *,
+    device: str,
+    dtype: str,
+    num_seqs: int,
+    prompt_len: int,
+    max_tokens: int,
+    rates: dict[str, float],
+) -> list[dict[str, Any]]:
+    """Decode and prefill of `num_seqs` sequences on a model of `shape` (random weights on the device), base
+    and over each family's first n adapters, set against the measured bandwidth and matmul rate."""
+    from lorafleet_worker.core.engine import Engine
+
+    elem = 4 if dtype == "float32" else 2
+    rows = []
+    for family, adapters in families.items():
+        engine = Engine(
+            model_dir,
+            device=device,
+            dtype=dtype,
+            load_format="dummy",
+            max_loras=max(1, len(adapters)),
+            max_lora_rank=max(r for _, r in adapters),
+            max_num_seqs=num_seqs,
+            max_model_len=prompt_len + max_tokens + 16,
+            lora_backend="triton",
+        )
+        await engine.start()
+        try:
+            names = [f"{family}-{i:03d}" for i in range(len(adapters))]
+            for name, (path, _) in zip(names, adapters, strict=True):
+                await engine.add_adapter(name, path)
+            for n in counts[family]:
+                await _decode_run(engine, names[:n], num_seqs, 16, 4)  # warm-up: jit for these shapes, slots
+                res = await _decode_run(engine, names[:n], num_seqs, prompt_len, max_tokens)
+                ranks = [r for _, r in adapters[:n]]
+                need = decode_step_bytes(
+                    shape, num_seqs=num_seqs, context=prompt_len + max_tokens / 2, elem=elem, adapter_ranks=ranks
+                )
+                step_s = num_seqs / res["decode_tokens_per_s"] if res["decode_tokens_per_s"] else None
+                flops = prefill_flops(shape, num_seqs=num_seqs, prompt_len=prompt_len)
+                row: dict[str, Any] = {
+                    "shape": shape.name,
+                    "family": "base" if n == 0 else family,
+                    "adapters": n,
+                    "ranks": sorted(set(ranks)),
+                    "num_seqs": num_seqs,
+                    "prompt_len": prompt_len,
+                    "max_tokens": max_tokens,
+                    **res,
+                    "step_ms": round(step_s * 1e3, 2) if step_s else None,
+                    "step_bytes": need,
+                    "step_GBps": round(need["total"] / step_s / 1e9, 1) if step_s else None,
+                    "pct_measured_bw": round(100 * need["total"] / step_s / 1e9 / rates["copy_GBps"], 1)
+                    if step_s
+                    else None,
+                    "prefill_flops": flops,
+                    "prefill_TFLOPs": round(flops / res["prefill_s"] / 1e12, 2) if res["prefill_s"] > 0 else None,
+                }
+                if row["prefill_TFLOPs"] is not None:
+                    row["pct_measured_matmul"] = round(100 * row["prefill_TFLOPs"] / rates["matmul_TFLOPs"], 1)
+                rows.append(row)
+                log(
+                    f"{shape.name} {row['family']} adapters={n}: {res['decode_tokens_per_s']} decode tok/s, "
+                    f"step {row['step_ms']} ms ({row['pct_measured_bw']} % of measured bandwidth), "
+                    f"prefill {res['prefill_s']} s"
+                )
+        finally:
+            await engine.stop()
+            del engine
+            release_device_memory()
+    return rows
+
+
+def release_device_memory() -> None:
+    """Give the finished engine's memory back to the device, so that the next engine's plan sees it free."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def shape_run(args: argparse.Namespace, device: Any, timer: Callable) -> dict[str, Any]:
+    """The end-to-end roofline on a served model's shape: the model directory (config + tokenizer only), the
+    adapters (uniform rank 16 and mixed ranks, on all seven projections), the measured rates, the runs."""
+    shape = DRY_SHAPE if args.dry_run else LLAMA3_8B
+    tok_src = bench_model(
+        "tokenizer-src", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128
+    )
+    model_dir = shape_model_dir(shape, CACHE / f"{shape.name}-config", tok_src)
+    n = 2 if args.dry_run else 64
+    log(f"writing {2 * n} random PEFT adapters of the {shape.name} shape")
+    families = {
+        "rank16": [
+            (
+                write_peft_adapter(CACHE / f"{shape.name}-adapters" / f"r16-{i:03d}", shape, 16, seed=i, device=device),
+                16,
+            )
+            for i in range(n)
+        ],
+        "mixed": [
+            (
+                write_peft_adapter(
+                    CACHE / f"{shape.name}-adapters" / f"mixed-{i:03d}",
+                    shape,
+                    MIXED_RANKS[i % len(MIXED_RANKS)],
+                    seed=1000 + i,
+                    device=device,
+                ),
+                MIXED_RANKS[i % len(MIXED_RANKS)],
+            )
+            for i in range(n)
+        ],
+    }
+    counts: dict[str, tuple[int, ...]] = {
+        "rank16": (0, 1, 2) if args.dry_run else (0, 1, 16, 64),
+        "mixed": (2,) if args.dry_run else (16, 64),
+    }
+    rates = measured_rates(device, timer, args.dry_run)
+    log(f"measured: copy {rates['copy_GBps']:.1f} GB/s, bf16 matmul {rates['matmul_TFLOPs']:.1f} TFLOP/s")
+    rows = asyncio.run(
+        bench_shape(
+            shape,
+            model_dir,
+            families,
+            counts,
+            device=device.type,
+            dtype="float32" if args.dry_run else "bfloat16",
+            num_seqs=args.num_seqs,
+            prompt_len=args.shape_prompt_len,
+            max_tokens=args.max_tokens,
+            rates=rates,
+        )
+    )
+    return {"shape": shape.name, "measured": rates, "runs": rows}
+
+
 def markdown(payload: dict[str, Any]) -> str:
     lines = [f"# GPU benchmark ({payload['device'] or 'no GPU'}, {payload['dtype']})", ""]
     if payload["dry_run"]:
@@ -334,6 +509,29 @@ def markdown(payload: dict[str, Any]) -> str:
             rel = f"{v / b:.2f}" if b and v else "-"
             lines.append(f"| {r['backend']} | {r['adapters']} | {r['num_seqs']} | {v} | {rel} |")
         lines.append("")
+    if payload.get("model_shape"):
+        ms = payload["model_shape"]
+        m = ms["measured"]
+        lines += [
+            f"## End to end on the {ms['shape']} shape (random weights built on the device, Triton LoRA)",
+            "",
+            f"Measured: device-to-device copy {m['copy_GBps']:.0f} GB/s, bf16 matmul {m['matmul_TFLOPs']:.0f} TFLOP/s. "
+            "A decode step must read the weights, each sequence's KV and each distinct adapter once.",
+            "",
+            "| adapters | ranks | seqs | prompt | decode tok/s | vs base | step ms | GB/step | % measured BW | "
+            "prefill s | prefill TFLOP/s | % measured matmul |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        base = next((r["decode_tokens_per_s"] for r in ms["runs"] if r["adapters"] == 0), None)
+        for r in ms["runs"]:
+            v = r["decode_tokens_per_s"]
+            rel = f"{v / base:.2f}" if base and v else "-"
+            lines.append(
+                f"| {r['adapters']} | {r['ranks'] or '-'} | {r['num_seqs']} | {r['prompt_len']} | {v} | {rel} | "
+                f"{r['step_ms']} | {r['step_bytes']['total'] / 1e9:.2f} | {r['pct_measured_bw']} | {r['prefill_s']} | "
+                f"{r['prefill_TFLOPs']} | {r.get('pct_measured_matmul', '-')} |"
+            )
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -349,6 +547,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="int8,int4",
         help="weight-only quantizations (--quantization) also run end to end with the first backend; '' for none",
     )
+    p.add_argument("--skip-shape", action="store_true", help="skip the end-to-end run on the Llama-3-8B shape")
+    p.add_argument("--shape-prompt-len", type=int, default=512, help="prompt tokens of the Llama-3-8B-shape run")
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -360,10 +560,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.out = args.out or (Path(tempfile.gettempdir()) / "gpu.dry-run.json" if args.dry_run else OUT_DIR / "gpu.json")
     args.markdown = args.markdown or args.out.with_suffix(".md")
     if args.dry_run:
-        args.num_seqs, args.prompt_len, args.max_tokens = (
+        args.num_seqs, args.prompt_len, args.max_tokens, args.shape_prompt_len = (
             min(args.num_seqs, 2),
             min(args.prompt_len, 8),
             min(args.max_tokens, 2),
+            min(args.shape_prompt_len, 8),
         )
     return args
 
@@ -390,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "kernels": [],
         "e2e": [],
+        "model_shape": None,
     }
     if not args.skip_kernels:
         for lshape in DRY_LORA_SHAPES if args.dry_run else LORA_SHAPES:
@@ -424,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
                     quantization=quant,
                 )
             )
+    if not args.skip_shape:
+        payload["model_shape"] = shape_run(args, device, timer)
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     args.markdown.write_text(markdown(payload))
     log(f"wrote {args.out} and {args.markdown}")

@@ -11,13 +11,13 @@ bench-gpu-dry-run: setup-python  ## bench-gpu on CPU under the Triton interprete
 test-kernels: setup-python  ## Triton kernel tests (interpreter on CPU; compiled on a GPU); LORAFLEET_GPU_LARGE=1 adds large shapes
 	$(PY) -m pytest tests/kernels $(PYTEST_ARGS)
 
-gpu-check: setup-python gpu-check-run  ## on a CUDA machine: every GPU test (a skip fails) and bench-gpu; results in $(GPU_CHECK_DIR)/
+gpu-check: setup-python gpu-check-run  ## on a CUDA machine: every GPU test (a skip fails), the kernel benchmarks and the Llama-3-8B-shape roofline (~6 min); results in $(GPU_CHECK_DIR)/
 
 # A bare GPU machine (CUDA torch, Triton, transformers, peft, pytest preinstalled; no venv, no network):
 # the system python with the sources on PYTHONPATH. The worker's other packages (fastapi, pydantic, pyzmq,
 # llguidance, blake3, pytest-asyncio, ...) travel as wheels: tools/gpu-wheels.sh puts them in .whl/.
 gpu-check-bare:  ## gpu-check with the system python3 and the sources on PYTHONPATH (no setup, no network)
-	PYTHONPATH=$(CURDIR):$(CURDIR)/worker/src:$(CURDIR)/jobs/src$${PYTHONPATH:+:$$PYTHONPATH} \
+	PYTHONPATH=$(CURDIR):$(CURDIR)/worker/src:$(CURDIR)/worker/dev/src:$(CURDIR)/jobs/src$${PYTHONPATH:+:$$PYTHONPATH} \
 		$(MAKE) gpu-check-run PY=python3
 
 gpu-check-run:
@@ -25,5 +25,6 @@ gpu-check-run:
 	set -o pipefail; LORAFLEET_REQUIRE_GPU=1 LORAFLEET_GPU_LARGE=1 $(PY) -m pytest tests/kernels -v -rA \
 		--junitxml=$(GPU_CHECK_DIR)/tests.xml $(PYTEST_ARGS) 2>&1 | tee $(GPU_CHECK_DIR)/tests.log
 	set -o pipefail; $(PY) bench/bench_gpu.py --out $(GPU_CHECK_DIR)/gpu.json --markdown $(GPU_CHECK_DIR)/gpu.md \
+		--backends triton --quantizations int8 \
 		2>&1 | tee $(GPU_CHECK_DIR)/bench.log
 	@echo "gpu-check: results in $(GPU_CHECK_DIR)/ (tests.log, tests.xml, gpu.json, gpu.md, bench.log)"

@@ -1,4 +1,5 @@
-"""bench/bench_gpu.py works without a GPU: argument parsing, peak table, kernel rows (interpreter), markdown."""
+"""bench/bench_gpu.py works without a GPU: argument parsing, peak table, kernel rows (interpreter), markdown,
+and the model-shape roofline's arithmetic and adapters (bench/model_shape.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -79,3 +81,47 @@ def test_kernel_rows_and_markdown(bench: ModuleType, device: torch.device) -> No
 def test_refuses_to_run_without_cuda(bench: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU machine
     assert bench.main(["--skip-e2e", "--out", "/nonexistent/x.json"]) == 2
+
+
+def test_llama3_8b_shape_arithmetic(bench: ModuleType) -> None:
+    """The roofline's sums for Llama-3-8B: 8.03B parameters, a bf16 step reads ~15 GB of weights."""
+    from model_shape import LLAMA3_8B, adapter_bytes, decode_step_bytes, prefill_flops
+
+    params = LLAMA3_8B.linear_params() + 2 * LLAMA3_8B.vocab_size * LLAMA3_8B.hidden_size
+    assert params == pytest.approx(8.03e9, rel=0.005)
+    assert LLAMA3_8B.kv_bytes_per_token(2) == 128 * 1024  # 32 layers x K,V x 8 heads x 128 x bf16
+    step = decode_step_bytes(LLAMA3_8B, num_seqs=64, context=576, elem=2, adapter_ranks=[16] * 64)
+    assert step["weights"] == pytest.approx(15.0e9, rel=0.01)
+    assert step["kv"] == 64 * 576 * 128 * 1024
+    assert step["lora"] == 64 * adapter_bytes(LLAMA3_8B, 16, 2) and step["lora"] == pytest.approx(5.37e9, rel=0.01)
+    assert step["total"] == step["weights"] + step["kv"] + step["lora"]
+    linear_only = 2 * LLAMA3_8B.linear_params() * 64 * 512
+    assert linear_only < prefill_flops(LLAMA3_8B, num_seqs=64, prompt_len=512) < 1.1 * linear_only
+
+
+def test_shape_adapter_is_a_peft_adapter(bench: ModuleType, tiny_models: Any, tmp_path: Path) -> None:
+    """`write_peft_adapter` writes what PEFT itself loads for a model of that shape, every key used."""
+    import json
+
+    from model_shape import Shape, write_peft_adapter
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((tiny_models["llama"] / "config.json").read_text())
+    shape = Shape(
+        "tiny",
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["intermediate_size"],
+        cfg["vocab_size"],
+    )
+    adapter = write_peft_adapter(tmp_path / "a", shape, 8, seed=3)
+    base = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    x = torch.tensor([[5, 6, 7, 8]])
+    before = base(x).logits
+    model = PeftModel.from_pretrained(base, adapter)
+    loaded = {n for n, _ in model.named_parameters() if "lora_" in n}
+    assert len(loaded) == 2 * 7 * shape.num_layers
+    assert not torch.equal(model(x).logits, before)  # the adapter's weights took part
