@@ -5,6 +5,13 @@ arrive together, so one adapter's requests run while the others wait for the slo
 show that split (queue depth, running count, the LoRA info gauge's adapter lists, KV-cache use); after
 the load, the token counters, the request counter and the latency histograms must add up to what the
 responses reported.
+
+The names, types and labels checked first are those the Gateway API Inference Extension's model-server protocol
+requires (docs/proposals/003-model-server-protocol/README.md in kubernetes-sigs/gateway-api-inference-extension):
+TotalQueuedRequests `vllm:num_requests_waiting`, TotalRunningRequests `vllm:num_requests_running`,
+KVCacheUtilization `vllm:kv_cache_usage_perc` (all gauges), the optional BlockSize / NumGPUBlocks labels of
+`vllm:cache_config_info`, and the LoRA gauge `vllm:lora_requests_info`, whose value is the last update's timestamp
+and whose labels are `max_lora` and the comma-separated `running_lora_adapters` / `waiting_lora_adapters`.
 """
 
 from __future__ import annotations
@@ -69,6 +76,29 @@ def worker(tiny_models: Any, tiny_adapter_factory: Any, tmp_path_factory: pytest
         yield w
     finally:
         stop_worker(w)
+
+
+def metric_types(worker: Worker) -> dict[str, str]:
+    """`# TYPE` of every metric family on the inference port."""
+    r = httpx.get(f"{worker.url}/metrics", timeout=30)
+    return {p[2]: p[3] for p in (line.split() for line in r.text.splitlines()) if p[:2] == ["#", "TYPE"]}
+
+
+PROTOCOL_GAUGES = (
+    "vllm:num_requests_waiting",  # TotalQueuedRequests
+    "vllm:num_requests_running",  # TotalRunningRequests
+    "vllm:kv_cache_usage_perc",  # KVCacheUtilization
+    "vllm:cache_config_info",  # [Optional] BlockSize, NumGPUBlocks
+    "vllm:lora_requests_info",  # LoRA adapter serving
+)
+
+
+def test_the_model_server_protocol_series_are_gauges(worker: Worker) -> None:
+    types = metric_types(worker)
+    assert {name: types.get(name) for name in PROTOCOL_GAUGES} == dict.fromkeys(PROTOCOL_GAUGES, "gauge")
+    ((labels, one),) = scrape(worker)["vllm:cache_config_info"]
+    assert one == 1.0 and labels["engine"] == "0"
+    assert int(labels["block_size"]) > 0 and int(labels["num_gpu_blocks"]) > 0
 
 
 def test_idle_worker_reports_vllm_series(worker: Worker) -> None:

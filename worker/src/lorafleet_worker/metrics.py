@@ -10,7 +10,11 @@ requests; cached blocks that no request holds count as free), prefix-cache queri
 info gauge (its value is the time of the engine's last update; `running_lora_adapters` and
 `waiting_lora_adapters` list, comma-separated, the adapters with running / waiting requests),
 token counters, TTFT / inter-token latency / end-to-end histograms. Every series carries
-`model_name` (the served model name) and `engine="0"`, as vLLM's do.
+`model_name` (the served model name) and `engine="0"`, as vLLM's do; the cache-config info gauge
+(`vllm:cache_config_info`, value 1) carries the KV cache's `block_size` and `num_gpu_blocks` as labels instead,
+which the endpoint pickers' prefix-cache scorer reads. The Inference Extension's model-server protocol
+(docs/proposals/003-model-server-protocol in kubernetes-sigs/gateway-api-inference-extension) requires the
+queue, running, KV-cache and LoRA series and names the cache-config one as optional.
 """
 
 from __future__ import annotations
@@ -99,10 +103,13 @@ class EngineCollector(Collector):
 class GatewayCollector(Collector):
     """vLLM's scheduler, KV-cache, token and LoRA series, read from the engine's stats at scrape time."""
 
-    def __init__(self, engine_stats: Callable[[], Any], model_name: str, max_loras: int) -> None:
+    def __init__(
+        self, engine_stats: Callable[[], Any], model_name: str, max_loras: int, cache_config: Mapping[str, str]
+    ) -> None:
         self._engine_stats = engine_stats
         self._labels = [model_name, "0"]
         self._max_loras = max_loras
+        self._cache_config = dict(cache_config)
 
     def _family(self, kind: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, value: float) -> Metric:
         family = kind(name, doc, labels=VLLM_LABELS)
@@ -142,6 +149,11 @@ class GatewayCollector(Collector):
             "Prefix cache hits, in terms of number of cached tokens.",
             st.prefix_cache_hits,
         )
+        cache = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=[*self._cache_config, "engine"]
+        )
+        cache.add_metric([*self._cache_config.values(), "0"], 1.0)
+        yield cache
         if self._max_loras > 0:
             info = GaugeMetricFamily(
                 "vllm:lora_requests_info",
@@ -249,10 +261,17 @@ class WorkerMetrics:
         )
 
     def attach_engine(
-        self, engine_stats: Callable[[], Any], manager_stats: Callable[[], Any], *, model_name: str, max_loras: int
+        self,
+        engine_stats: Callable[[], Any],
+        manager_stats: Callable[[], Any],
+        *,
+        model_name: str,
+        max_loras: int,
+        cache_config: Mapping[str, str],
     ) -> None:
+        """`cache_config`: the KV cache's `block_size` and `num_gpu_blocks` (vLLM's CacheConfig label names)."""
         self.registry.register(EngineCollector(engine_stats, manager_stats))
-        self.registry.register(GatewayCollector(engine_stats, model_name, max_loras))
+        self.registry.register(GatewayCollector(engine_stats, model_name, max_loras, cache_config))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -140,11 +140,13 @@ class WorkerService:
         engine = await asyncio.to_thread(Engine, s.model_dir, **s.engine_kwargs())
         await engine.start()
         self._sources = AdapterSources.from_env(cache_dir=s.lora_cache_dir)
+        kv = engine.core.kv_cache
         self.metrics.attach_engine(
             lambda: engine.stats,
             lambda: _manager_stats(engine),
             model_name=self.model_name,
             max_loras=s.max_loras if s.lora_enabled else 0,
+            cache_config={"block_size": str(kv.block_size), "num_gpu_blocks": str(kv.num_blocks)},
         )
         self._tokenizer, self._engine = tokenizer, engine
         self.metrics.ready.set(1)
