@@ -9,22 +9,22 @@ export LORAFLEET_CACHE ?= $(HOME)/.cache/lorafleet
 export UV_CACHE_DIR ?= $(LORAFLEET_CACHE)/uv
 PYTEST_ARGS ?=
 # Python code that lint/fmt cover.
-PY_DIRS := worker operator jobs devcluster tests bench demo tools
+PY_DIRS := worker operator jobs sidecar devcluster tests bench demo tools
 
 .PHONY: help setup setup-python test test-unit lint lock demo bench fmt clean fresh-check
 
 help:  ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-14s %s\n", $$1, $$2}'
 
-# Python side: a venv with the three shipped projects, the worker's dev tools and the dev cluster (editable) and
-# pinned dev tools.
-PY_STAMP := $(VENV)/.lorafleet-setup-$(shell cat constraints.txt locks/dev.txt requirements-dev.txt worker/pyproject.toml worker/dev/pyproject.toml operator/pyproject.toml jobs/pyproject.toml devcluster/pyproject.toml | sha256sum | cut -c1-16)
+# Python side: a venv with the shipped projects (the vLLM sidecar included), the worker's dev tools and the dev
+# cluster (editable) and pinned dev tools.
+PY_STAMP := $(VENV)/.lorafleet-setup-$(shell cat constraints.txt locks/dev.txt requirements-dev.txt worker/pyproject.toml worker/dev/pyproject.toml operator/pyproject.toml jobs/pyproject.toml sidecar/pyproject.toml devcluster/pyproject.toml | sha256sum | cut -c1-16)
 
 setup-python: $(PY_STAMP)
-$(PY_STAMP): $(VENV)/bin/uv constraints.txt locks/dev.txt requirements-dev.txt worker/pyproject.toml worker/dev/pyproject.toml operator/pyproject.toml jobs/pyproject.toml devcluster/pyproject.toml
+$(PY_STAMP): $(VENV)/bin/uv constraints.txt locks/dev.txt requirements-dev.txt worker/pyproject.toml worker/dev/pyproject.toml operator/pyproject.toml jobs/pyproject.toml sidecar/pyproject.toml devcluster/pyproject.toml
 	@echo "==> installing the locked Python dependencies into $(VENV) (torch is ~3 GB on first run)"
 	@$(VENV)/bin/uv pip install --python $(PY) -c constraints.txt -c locks/dev.txt \
-		-e ./jobs -e ./operator -e './worker[dev]' -e ./worker/dev -e ./devcluster -r requirements-dev.txt
+		-e ./jobs -e ./operator -e ./sidecar -e './worker[dev]' -e ./worker/dev -e ./devcluster -r requirements-dev.txt
 	@rm -f $(VENV)/.lorafleet-setup-*; touch $@
 	@echo "==> Python environment ready"
 
