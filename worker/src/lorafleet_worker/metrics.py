@@ -9,7 +9,8 @@ others) and vLLM dashboards work unchanged: queue depth, running requests, KV-ca
 requests; cached blocks that no request holds count as free), prefix-cache queries and hits (tokens), the LoRA
 info gauge (its value is the time of the engine's last update; `running_lora_adapters` and
 `waiting_lora_adapters` list, comma-separated, the adapters with running / waiting requests),
-token counters, TTFT / inter-token latency / end-to-end histograms. Every series carries
+token counters, speculative decoding's draft and acceptance counters (while it is on), TTFT / inter-token
+latency / end-to-end histograms. Every series carries
 `model_name` (the served model name) and `engine="0"`, as vLLM's do; the cache-config info gauge
 (`vllm:cache_config_info`, value 1) carries the KV cache's `block_size` and `num_gpu_blocks` as labels instead,
 which the endpoint pickers' prefix-cache scorer reads. The Inference Extension's model-server protocol
@@ -154,6 +155,7 @@ class GatewayCollector(Collector):
         )
         cache.add_metric([*self._cache_config.values(), "0"], 1.0)
         yield cache
+        yield from self._spec_decode(st)
         if self._max_loras > 0:
             info = GaugeMetricFamily(
                 "vllm:lora_requests_info",
@@ -163,6 +165,28 @@ class GatewayCollector(Collector):
             running, waiting = ",".join(st.running_adapters), ",".join(st.waiting_adapters)
             info.add_metric([str(self._max_loras), waiting, running], st.updated_at or time.time())
             yield info
+
+    def _spec_decode(self, st: Any) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py), while speculation is on."""
+        per_pos = getattr(st, "spec_accepted_per_pos", ())
+        if not per_pos:
+            return
+        counter = CounterMetricFamily
+        yield self._family(counter, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", st.spec_drafts)
+        yield self._family(
+            counter, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", st.spec_draft_tokens
+        )
+        yield self._family(
+            counter, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", st.spec_accepted_tokens
+        )
+        family = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*VLLM_LABELS, "position"],
+        )
+        for pos, value in enumerate(per_pos):
+            family.add_metric([*self._labels, str(pos)], value)
+        yield family
 
 
 class WorkerMetrics:

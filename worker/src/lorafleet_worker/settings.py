@@ -67,6 +67,15 @@ def _kv_events_config(value: str) -> Any:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def _speculative_config(value: str) -> Any:
+    from lorafleet_worker.spec_decode.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 @dataclass(frozen=True)
 class LoRAModule:
     """An adapter loaded at start (--lora-modules): its name, its path or URI, the base model it is for."""
@@ -242,6 +251,25 @@ class WorkerSettings:
         engine="kv_events",
         type=_kv_events_config,
         metavar="JSON",
+    )
+    speculative_config: Any = option(  # noqa: RUF009 (`option` returns a field); a SpeculativeConfig, None = off
+        None,
+        "--speculative-config",
+        help='n-gram (prompt lookup) speculative decoding as vLLM configures it, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\'; no drafts while more '
+        'than "disable_by_batch_size" requests run (default 4)',
+        shown="off",
+        engine="speculative_config",
+        type=_speculative_config,
+        metavar="JSON",
+    )
+    jump_forward: bool = option(
+        False,
+        "--enable-jump-forward",
+        help="structured output: where the grammar allows a single continuation, compute those tokens in one step",
+        shown="off",
+        engine="jump_forward",
+        action=argparse.BooleanOptionalAction,
     )
     lora_backend: str = option(
         "auto",

@@ -13,7 +13,8 @@ from lorafleet_worker.model.forward_batch import ForwardBatch, PrefillSeq
 def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> tuple[ForwardBatch, Tensor]:
     """The model inputs of a plan, and the per-token LoRA slots (int32 [T], -1 = base).
 
-    Logits rows, chunk by chunk: the chunk's `prompt_logprob_positions`, then its last token if it samples.
+    Logits rows, chunk by chunk: the chunk's `prompt_logprob_positions`, then, if it samples, its last token
+    and its draft tokens (speculative decoding verifies them all in this forward pass).
     Built from Python lists, one tensor each (a decode step of a few sequences is a few small lists: the torch
     ops a tensor-side build ran cost more than the lists).
     """
@@ -27,13 +28,13 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
         seq, n, start = c.seq, c.num_tokens, c.seq.num_computed
         blocks, span = c.blocks, range(start, start + n)
         starts.append(len(input_ids))
-        input_ids.extend(seq.tokens[start : start + n])
+        input_ids.extend(c.input_ids)
         positions.extend(span)
         slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size for p in span)
         token_slots.extend([seq.slot] * n)
         logits_rows.extend(starts[-1] + p - start for p in c.prompt_logprob_positions)
-        if c.samples:
-            logits_rows.append(len(input_ids) - 1)
+        if c.samples:  # the last token's row, after one row per draft token
+            logits_rows.extend(range(len(input_ids) - 1 - len(c.draft), len(input_ids)))
     nd = plan.num_decode
     tables = block_table_tensor([c.blocks for c in plan.chunks], device)
     prefills = []

@@ -34,6 +34,7 @@ from lorafleet_worker.model import Transformer, cpu_linear, parse_dtype
 from lorafleet_worker.model.quantization import check_supported as check_quantization
 from lorafleet_worker.ops import cpu_attention
 from lorafleet_worker.settings import DEFAULTS
+from lorafleet_worker.spec_decode.config import SpeculativeConfig
 from lorafleet_worker.structured.manager import StructuredOutputManager
 
 log = logging.getLogger(__name__)
@@ -100,12 +101,16 @@ class EngineCore:
         kv_events: KVEventsConfig | None = None,
         quantization: str | None = None,
         load_format: str = "auto",
+        speculative_config: SpeculativeConfig | None = None,
+        jump_forward: bool = DEFAULTS.jump_forward,
     ) -> None:
         """`dtype` / `lora_backend` "auto": see devices.py; `memory_budget` (a fraction or a size, see
         memory.py) sizes the KV cache unless `num_kv_blocks` is given; `enable_prefix_caching`: see
         kv_cache_manager.py; `kv_events`: publish the prefix cache's KV events (kv_events.py); `quantization`:
         weight-only int8 / int4 base linears (model/quantization.py), counted as such by the memory plan;
-        `load_format` "dummy": random weights of the config's shapes, built on the device (`Transformer`)."""
+        `load_format` "dummy": random weights of the config's shapes, built on the device (`Transformer`);
+        `speculative_config`: n-gram speculative decoding (spec_decode/); `jump_forward`: a grammar's forced
+        tokens are computed in one step as a draft that is always accepted (the scheduler's drafts)."""
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.device = torch.device(device)
@@ -187,6 +192,8 @@ class EngineCore:
             max_num_batched_tokens=max_num_batched_tokens,
             slot_aging_s=slot_aging_s,
             eos_token_ids=self.config.eos_token_ids,
+            speculative=speculative_config,
+            jump_forward=jump_forward,
         )
 
     def _plan_memory(

@@ -17,6 +17,7 @@ from lorafleet_worker.core.step import RunnerOutput, StepPlan
 from lorafleet_worker.lora.backends import LoRABackend
 from lorafleet_worker.lora.pool import LoRAPool
 from lorafleet_worker.model import LoRAContext, Transformer
+from lorafleet_worker.sample.rejection import verify
 from lorafleet_worker.sample.sampler import prompt_logprobs, sample
 from lorafleet_worker.structured.manager import StructuredOutputManager
 
@@ -44,7 +45,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> RunnerOutput:
         self.kv.zero(plan.new_blocks)
         generating = [c for c in plan.chunks if c.generates]
-        masks = self.structured.start_masks([c.seq.request_id for c in generating])  # beside the forward pass
+        masks = self.structured.start_masks([c.seq.request_id for c in generating], [c.draft for c in generating])
         batch, token_slots = build_forward_batch(plan, self.kv.block_size, self.device)
         backend, pool = self.lora_backend, self.lora_pool
         if backend is not None and pool is not None and bool((token_slots >= 0).any()):
@@ -54,8 +55,24 @@ class ModelRunner:
         logits = self._score_prompts(plan, self.model(batch, self.kv), output)
         samplers = [c for c in plan.chunks if c.samples]
         if len(generating) < len(samplers):  # rows of requests with max_tokens=0 do not sample
-            logits = logits[[i for i, c in enumerate(samplers) if c.generates]]
-        picks = self.sampler(logits, [c.seq.sampling for c in generating], masks.wait(logits.device))
+            keep: list[int] = []
+            row = 0
+            for c in samplers:
+                if c.generates:
+                    keep.extend(range(row, row + 1 + len(c.draft)))
+                row += 1 + len(c.draft)
+            logits = logits[keep]
+        allowed = masks.wait(logits.device)
+        states = [c.seq.sampling for c in generating]
+        if any(c.draft for c in generating):
+            kept = verify(logits, states, [c.draft for c in generating], allowed, forced=[c.forced for c in generating])
+            for c, tokens in zip(generating, kept, strict=True):
+                if c.draft:
+                    output.verified[c.seq.request_id] = tokens
+                else:
+                    output.sampled[c.seq.request_id] = tokens[0]
+            return output
+        picks = self.sampler(logits, states, allowed)
         output.sampled = {c.seq.request_id: pick for c, pick in zip(generating, picks, strict=True)}
         return output
 
@@ -64,7 +81,7 @@ class ModelRunner:
         """Put the prompt logprobs of `logits`' scoring rows in `output`; return the rows that sample."""
         if not any(c.prompt_logprob_positions for c in plan.chunks):
             return logits
-        row, sample_rows = 0, []
+        row, sample_rows = 0, list[int]()
         for c in plan.chunks:
             positions = c.prompt_logprob_positions
             if positions:
@@ -75,6 +92,6 @@ class ModelRunner:
                 output.prompt_logprobs[seq.request_id] = scored
                 row += len(positions)
             if c.samples:
-                sample_rows.append(row)
-                row += 1
+                sample_rows.extend(range(row, row + 1 + len(c.draft)))
+                row += 1 + len(c.draft)
         return logits[sample_rows]

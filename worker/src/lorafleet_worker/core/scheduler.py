@@ -13,6 +13,12 @@ drain to it (no starvation). Out of KV blocks, the newest running sequence is pr
 are freed and it is recomputed later; it keeps its slot and its queue position). A sequence whose
 adapter weights are being read back from disk (`manager.weights_ready`) waits without holding anything.
 
+Drafts: a running sequence whose chunk reaches its end may verify draft tokens after its last one in the
+same forward pass: its grammar's forced tokens (jump-forward), else an n-gram draft (speculative decoding,
+spec_decode/; no drafts while more than `disable_by_batch_size` requests run). The model runner keeps the
+accepted prefix and one more token (sample/rejection.py); the KV of rejected positions lies beyond
+`num_computed` and is overwritten later.
+
 KV blocks and the prefix cache are the KV cache manager's (kv_cache_manager.py); grammars are the
 structured-output manager's. `update_from_output` alone moves sequences on after a step (computed
 tokens, cached blocks, sampled tokens, finish reasons) and turns the step into each request's output;
@@ -31,7 +37,9 @@ from lorafleet_worker.core.kv_cache_manager import KVCacheManager
 from lorafleet_worker.core.request import SeqStatus, Sequence
 from lorafleet_worker.core.step import RunnerOutput, ScheduledChunk, StepPlan
 from lorafleet_worker.lora.manager import AdapterManager
-from lorafleet_worker.sample.params import TokenOutput
+from lorafleet_worker.sample.params import SampledToken, TokenOutput
+from lorafleet_worker.spec_decode.config import SpeculativeConfig
+from lorafleet_worker.spec_decode.ngram import NgramProposer
 from lorafleet_worker.structured.manager import StructuredOutputManager
 
 Output = tuple[str, TokenOutput | BaseException]  # a request id and its next output (or why it failed)
@@ -56,6 +64,10 @@ class SchedulerStats:
     kv_blocks_free: int = 0  # cached blocks that no request holds count as free (vLLM's meaning)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found there
+    spec_drafts: int = 0  # speculative decoding: drafts verified, their tokens, and those accepted
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # accepted draft tokens by position (empty: speculation off)
     running_adapters: tuple[str, ...] = ()  # adapters of the running / waiting requests (vLLM's LoRA info)
     waiting_adapters: tuple[str, ...] = ()
     updated_at: float = 0.0  # wall-clock time of the snapshot
@@ -75,6 +87,8 @@ class Scheduler:
         slot_aging_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         eos_token_ids: Collection[int] = (),
+        speculative: SpeculativeConfig | None = None,
+        jump_forward: bool = False,
     ) -> None:
         self.kv_cache = kv_cache
         self.manager = manager
@@ -89,6 +103,12 @@ class Scheduler:
         self.watermark_blocks = max(1, kv_cache.num_blocks // 100)
         self.eos_token_ids = frozenset(eos_token_ids)
         self._failed: list[Output] = []  # sequences that could not start (`take_failed`)
+        self.speculative = speculative
+        self.proposer: NgramProposer | None = None
+        if speculative is not None:
+            cfg = speculative
+            self.proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.num_speculative_tokens)
+        self.jump_forward = jump_forward and structured is not None
         # counters (published in `stats`)
         self.num_preemptions = 0
         self._steps = 0
@@ -98,6 +118,9 @@ class Scheduler:
         self._generation_tokens = 0
         self._requests_finished = 0
         self._requests_aborted = 0
+        self._spec_drafts = 0
+        self._spec_draft_tokens = 0
+        self._spec_accepted_per_pos = [0] * (speculative.num_speculative_tokens if speculative is not None else 0)
         self.stats = SchedulerStats()
         self._publish()
 
@@ -189,6 +212,8 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
         preemptions = self.num_preemptions
+        spec = self.speculative
+        speculate = spec is not None and len(self.running) <= spec.disable_by_batch_size  # back-off under load
         for seq in sorted(self.running, key=lambda s: s.arrival):  # oldest first: they are preempted last
             if budget <= 0:
                 break
@@ -197,9 +222,13 @@ class Scheduler:
             n = min(len(seq.tokens) - seq.num_computed, budget)
             if not self._reserve(seq, n, scheduled):
                 continue
-            chunks.append(ScheduledChunk(seq, n))
+            chunk = ScheduledChunk(seq, n)
+            if seq.num_computed + n == len(seq.tokens):  # it samples: draft tokens may follow its last token
+                chunk.draft, chunk.forced = self._draft(seq, budget - n, speculate)
+                chunk.num_tokens += len(chunk.draft)
+            chunks.append(chunk)
             scheduled.add(id(seq))
-            budget -= n
+            budget -= chunk.num_tokens
         if self.num_preemptions == preemptions:  # memory is short when running sequences were preempted
             self._admit(chunks, budget)
         # decode tokens first, grouped by LoRA slot: each adapter's decodes are then consecutive rows,
@@ -211,6 +240,28 @@ class Scheduler:
         if not chunks:
             self._publish()
         return plan
+
+    def _draft(self, seq: Sequence, budget: int, speculate: bool) -> tuple[list[int], bool]:
+        """The tokens to verify after `seq`'s last one this step, and whether the grammar forces them: its
+        grammar's only continuation (jump-forward), else an n-gram draft the grammar accepts (speculation on
+        this step); within the token budget, the sequence's length limit and its KV blocks (never preempting
+        for a draft). A request with logits processors gets none (they advance token by token)."""
+        room = min(budget, seq.max_len - len(seq.tokens) - 1)
+        if room <= 0 or seq.sampling.processors or seq.params.max_tokens == 0:
+            return [], False
+        draft, forced = [], False
+        if self.jump_forward:
+            assert self.structured is not None
+            draft = self.structured.forced_tokens(seq.request_id)[:room]
+            forced = bool(draft)
+        if not draft and speculate:
+            assert self.proposer is not None
+            draft = self.proposer.propose(seq.tokens, room)
+            if draft and self.structured is not None:
+                draft = self.structured.valid_prefix(seq.request_id, draft)
+        if draft and not self.kv_cache.allocate(seq, len(seq.tokens) + len(draft)):
+            return [], False
+        return draft, forced
 
     def _reserve(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
         """Grow `seq`'s blocks for `n` more tokens, preempting the newest unscheduled sequences if needed."""
@@ -267,48 +318,71 @@ class Scheduler:
     # ------------------------------------------------------------------ after a step
 
     def update_from_output(self, plan: StepPlan, output: RunnerOutput) -> list[Output]:
-        """Move every sequence of `plan` on after its forward pass: mark its chunk computed, cache the blocks
-        it filled, record its prompt logprobs, append its sampled token (advancing its logits processors and
-        grammar) and end it when it is done. A chunk that samples for a request with `max_tokens=0` ends it
-        ("length"). Returns each request's output of the step."""
+        """Move every sequence of `plan` on after its forward pass: mark its chunk computed, record its prompt
+        logprobs, append the tokens it kept (its sampled token, or its accepted draft tokens and the token drawn
+        after them; advancing its logits processors and grammar over each), cache the blocks it filled (of kept
+        tokens only: the KV of rejected draft tokens lies beyond `num_computed` and is overwritten later) and
+        end it when it is done. A chunk that samples for a request with `max_tokens=0` ends it ("length").
+        Returns each request's outputs of the step, one per token, in order."""
         out: list[Output] = []
         for c in plan.chunks:
             seq, samples, generates = c.seq, c.samples, c.generates  # before the chunk counts as computed
             if seq.num_computed < seq.num_prompt:
                 self._prompt_tokens += min(c.num_tokens, seq.num_prompt - seq.num_computed)
-            seq.num_computed += c.num_tokens
-            self.kv_cache.cache_blocks(seq)
             scored = output.prompt_logprobs.get(seq.request_id)
             if scored:
                 seq.prompt_logprobs.extend(scored)
-            if not samples:
+            if not generates:
+                seq.num_computed += c.num_tokens
+                self.kv_cache.cache_blocks(seq)
+                if samples:  # max_tokens=0: the prompt is scored, nothing is generated
+                    self._finish(seq, "length")
+                    self._requests_finished += 1
+                    out.append((seq.request_id, TokenOutput(-1, 0.0, None, "length", self._prompt_logprobs_of(seq))))
                 continue
-            if not generates:  # max_tokens=0: the prompt is scored, nothing is generated
-                self._finish(seq, "length")
-                self._requests_finished += 1
-                out.append((seq.request_id, TokenOutput(-1, 0.0, None, "length", self._prompt_logprobs_of(seq))))
-                continue
-            pick = output.sampled[seq.request_id]
-            self._generation_tokens += 1
-            token = pick.token_id
-            seq.tokens.append(token)
-            seq.sampling.accept(token)  # logits processors advance here, and only here
-            if self.structured is not None:
-                self.structured.accept(seq.request_id, token)  # so does the grammar
-            reason = self._finish_reason(seq, token)
-            result = TokenOutput(token, pick.logprob, pick.top_logprobs, reason)
-            if seq.num_output == 1:
-                result.prompt_logprobs = self._prompt_logprobs_of(seq)
+            picks = output.verified[seq.request_id] if c.draft else [output.sampled[seq.request_id]]
+            accepted = len(picks) - 1
+            if c.draft and not c.forced:
+                self._count_draft(len(c.draft), accepted)
+            seq.num_computed += c.num_tokens - (len(c.draft) - accepted)  # the KV of rejected draft tokens is dropped
+            reason = None
+            for pick in picks:
+                reason = self._append(seq, pick, out)
+                if reason is not None:
+                    break
+            seq.num_computed = min(seq.num_computed, len(seq.tokens))  # it ended on an accepted draft token
+            self.kv_cache.cache_blocks(seq)
             if reason is not None:
                 self._finish(seq, reason)
                 self._requests_finished += 1
-            out.append((seq.request_id, result))
         self._steps += 1
         self._max_adapters_in_step = max(self._max_adapters_in_step, len(plan.slots))
         self._max_seqs_in_step = max(self._max_seqs_in_step, len(plan.chunks))
         self.kv_cache.flush_events()
         self._publish()
         return out
+
+    def _append(self, seq: Sequence, pick: SampledToken, out: list[Output]) -> str | None:
+        """Append one kept token to `seq` (its processors and grammar advance over it) and its output to `out`;
+        the finish reason it gives, if any."""
+        self._generation_tokens += 1
+        token = pick.token_id
+        seq.tokens.append(token)
+        seq.sampling.accept(token)  # logits processors advance here, and only here
+        if self.structured is not None:
+            self.structured.accept(seq.request_id, token)  # so does the grammar
+        reason = self._finish_reason(seq, token)
+        result = TokenOutput(token, pick.logprob, pick.top_logprobs, reason)
+        if seq.num_output == 1:
+            result.prompt_logprobs = self._prompt_logprobs_of(seq)
+        out.append((seq.request_id, result))
+        return reason
+
+    def _count_draft(self, num_draft: int, num_accepted: int) -> None:
+        self._spec_drafts += 1
+        self._spec_draft_tokens += num_draft
+        for j in range(num_accepted):
+            self._spec_accepted_per_pos[j] += 1
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -345,6 +419,10 @@ class Scheduler:
             kv_blocks_free=kv.num_free_blocks,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            spec_drafts=self._spec_drafts,
+            spec_draft_tokens=self._spec_draft_tokens,
+            spec_accepted_tokens=sum(self._spec_accepted_per_pos),
+            spec_accepted_per_pos=tuple(self._spec_accepted_per_pos),
             running_adapters=tuple(dict.fromkeys(s.adapter for s in self.running if s.adapter)),
             waiting_adapters=tuple(dict.fromkeys(s.adapter for s in self.waiting if s.adapter)),
             updated_at=time.time(),

@@ -14,11 +14,22 @@ class ScheduledChunk:
     seq: Sequence
     num_tokens: int
     blocks: list[int] = field(default_factory=list)  # the sequence's KV block ids (the KV cache manager's list)
+    # tokens proposed to follow the sequence, verified in this step (speculative decoding: after its last token)
+    draft: list[int] = field(default_factory=list)
+    forced: bool = False  # the draft is the grammar's only continuation (jump-forward): always accepted
 
     @property
     def samples(self) -> bool:
-        """True when the chunk reaches the end of the sequence, so its last logits give the next token."""
-        return self.seq.num_computed + self.num_tokens == len(self.seq.tokens)
+        """True when the chunk reaches the end of the sequence (and its draft), so its last logits give the
+        next token."""
+        return self.seq.num_computed + self.num_tokens == len(self.seq.tokens) + len(self.draft)
+
+    @property
+    def input_ids(self) -> list[int]:
+        """The tokens the chunk computes: the sequence's from `num_computed`, then its draft."""
+        start = self.seq.num_computed
+        tokens = self.seq.tokens[start : start + self.num_tokens]
+        return tokens + self.draft if self.draft else tokens
 
     @property
     def generates(self) -> bool:
@@ -52,8 +63,10 @@ class StepPlan:
 
 @dataclass
 class RunnerOutput:
-    """One step's results by request id: the sampled token of every chunk that generates, and the
-    prompt logprobs scored in this step."""
+    """One step's results by request id: the sampled token of every chunk that generates without a draft,
+    the tokens kept by every chunk that verified one (accepted draft tokens, then the token drawn after
+    them), and the prompt logprobs scored in this step."""
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    verified: dict[str, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[tuple[float, dict[int, float]]]] = field(default_factory=dict)

@@ -104,8 +104,7 @@ def sample(logits: Tensor, states: Sequence[SamplingState], allowed: Tensor | No
         if picked is not None:
             return picked
     generators = [st.generator for st in states]
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
+    logits = mask_logits(logits, allowed)
     logprobs = torch.log_softmax(logits, dim=-1)
     processed = process_logits(logits, states)
     if allowed is not None and processed is not logits:
@@ -119,22 +118,39 @@ def sample(logits: Tensor, states: Sequence[SamplingState], allowed: Tensor | No
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         idx = torch.tensor(rows, device=device)
-        temps = torch.tensor([params[i].temperature for i in rows], device=device, dtype=logits.dtype)
-        scaled = logits[idx] / temps[:, None]
-        if any(params[i].min_p > 0 for i in rows):
-            min_p = torch.tensor([params[i].min_p for i in rows], device=device, dtype=logits.dtype)
-            scaled = filter_min_p(scaled, min_p)
-        if any(params[i].top_k > 0 or params[i].top_p < 1 for i in rows):
-            top_k = torch.tensor([max(params[i].top_k, 0) for i in rows], device=device)
-            top_p = torch.tensor([params[i].top_p for i in rows], device=device, dtype=logits.dtype)
-            scaled = _filter_top_k_top_p(scaled, top_k, top_p)
-        probs = scaled.softmax(dim=-1)
+        probs = sampling_probs(logits[idx], [params[i] for i in rows])
         noise = torch.empty_like(probs).exponential_()
         for j, i in enumerate(rows):
             gen = generators[i]
             if gen is not None:
                 noise[j].exponential_(generator=gen)
         tokens[idx] = (probs / noise).argmax(dim=-1)  # exponential race = multinomial draw
+    return sampled_tokens(logprobs, tokens, params)
+
+
+def mask_logits(logits: Tensor, allowed: Tensor | None) -> Tensor:
+    """`logits` with the tokens the grammar forbids at -inf (`allowed` None: unchanged)."""
+    return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+
+
+def sampling_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """The distribution each row draws from ([N, V]): temperature, then min_p, top-k and top-p (no greedy rows)."""
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    scaled = logits / temps[:, None]
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
+        scaled = filter_min_p(scaled, min_p)
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        top_k = torch.tensor([max(p.top_k, 0) for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+        scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+    return scaled.softmax(dim=-1)
+
+
+def sampled_tokens(logprobs: Tensor, tokens: Tensor, params: Sequence[SamplingParams]) -> list[SampledToken]:
+    """Each row's token ([N]) with its log-probability under `logprobs` ([N, V]) and the top-k it asked for."""
+    n = logprobs.shape[0]
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     k = max((p.logprobs or 0 for p in params), default=0)
     top_v: list[list[float]] = [[] for _ in range(n)]

@@ -4,10 +4,11 @@ matcher, fills a step's token masks beside the forward pass and advances each ma
 The compiler is built on first use (llguidance reads `tokenizer.json`: about half a second) and compiles off
 the event loop. A request with a compiled grammar gets its own matcher when the scheduler adds it and loses
 it when it ends. Before a step's forward pass the model runner calls `start_masks` with the requests of the
-rows that will sample; llguidance fills one bitmask row per constrained request (in parallel, without the
-GIL) while torch computes the logits, and the sampler then applies them. Free rows allow every token and a
-step without constrained rows costs nothing. As in vLLM, EOS is allowed only where the grammar accepts, so a
-constrained sequence ends only on a complete answer (or at max_tokens).
+rows that will sample (and their draft tokens: a row each, masked as if the tokens before it were accepted);
+llguidance fills one bitmask row per constrained request (in parallel, without the GIL) while torch computes
+the logits, and the sampler then applies them. Free rows allow every token and a step without constrained rows
+costs nothing. As in vLLM, EOS is allowed only where the grammar accepts, so a constrained sequence ends only
+on a complete answer (or at max_tokens).
 """
 
 from __future__ import annotations
@@ -113,21 +114,47 @@ class StructuredOutputManager:
         matcher = self._matchers.get(request_id)
         return matcher is not None and (matcher.is_stopped() or matcher.is_error())
 
-    def start_masks(self, request_ids: Sequence[str]) -> PendingMasks:
-        """Begin filling the masks of a step's sampling rows (one per request, in order) in the mask thread."""
-        rows = [(m, i) for i, rid in enumerate(request_ids) if (m := self._matchers.get(rid)) is not None]
-        if not rows:
+    def valid_prefix(self, request_id: str, draft: list[int]) -> list[int]:
+        """The longest prefix of `draft` that the request's grammar accepts from where it is (all of it for a
+        free request); the matcher does not move."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or not draft:
+            return draft
+        return draft[: matcher.validate_tokens(draft)]
+
+    def forced_tokens(self, request_id: str) -> list[int]:
+        """The tokens the request's grammar allows as its only continuation from here (jump-forward), [] for a
+        free request or where the grammar leaves a choice."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or matcher.is_stopped() or matcher.is_error():
+            return []
+        return list(matcher.compute_ff_tokens())
+
+    def start_masks(self, request_ids: Sequence[str], drafts: Sequence[Sequence[int]] | None = None) -> PendingMasks:
+        """Begin filling the masks of a step's sampling rows in the mask thread: per request (in order) one row,
+        and one more per token of its draft (`drafts`, one per request: the mask after the draft tokens
+        before it)."""
+        todo, n = [], 0
+        for rid, draft in zip(request_ids, drafts or [()] * len(request_ids), strict=True):
+            matcher = self._matchers.get(rid)
+            if matcher is not None:
+                todo.append((matcher, n, list(draft)))
+            n += 1 + len(draft)
+        if not todo:
             return PendingMasks(None, self.mask_stats)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="lorafleet-grammar")
             self._executor = llguidance.LLExecutor()
-        return PendingMasks(self._thread.submit(self._fill, rows, len(request_ids)), self.mask_stats)
+        return PendingMasks(self._thread.submit(self._fill, todo, n), self.mask_stats)
 
-    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], n: int) -> Tensor:
+    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int, list[int]]], n: int) -> Tensor:
         t0 = time.perf_counter()
         bitmask = llguidance.numpy.allocate_token_bitmask(n, self.vocab_size)  # all ones: every token allowed
         assert self._executor is not None
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        if any(draft for _, _, draft in rows):
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, rows, bitmask)
+        else:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for m, i, _ in rows], bitmask)
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
         allowed = torch.from_numpy(bits.astype(np.bool_))
         st = self.mask_stats

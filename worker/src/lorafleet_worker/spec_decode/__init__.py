@@ -1,0 +1,1 @@
+"""Speculative decoding: its configuration and the draft proposers (the verify rule is in sample/rejection.py)."""
