@@ -173,6 +173,33 @@ def test_kernel_tiles_and_their_edges(dtype: torch.dtype, in_dim: int) -> None:
         assert torch.equal(out[3], base[3]) and torch.equal(out[133:135], base[133:135])
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("in_dim", [64, 40, 44], ids=["inputs-by-32", "inputs-by-8", "inputs-with-a-tail"])
+@pytest.mark.parametrize("slots", [[2], [1, -1, 3, 0, 2], [-1, 3, -1]], ids=["one-user", "one-token-each", "base-rows"])
+def test_kernel_one_token_segments(dtype: torch.dtype, in_dim: int, slots: list[int]) -> None:
+    """Steps whose every segment is one token (one user's decode, each adapter's single decode row) take the
+    kernel's one-token path: odd ranks (a shrink tile past the rank), rank 0 slices, slices 77 and 19 wide
+    (64-column and 8-column expand chunks, then single columns), both B layouts: equal to the float64
+    per-adapter result, rows without an adapter untouched."""
+    ranks = [[1, 3], [64, 0], [7, 33], [16, 16]]
+    w = random_proj_weights(in_dim=in_dim, widths=(77, 19), ranks=ranks, max_rank=64, dtype=dtype, seed=3)
+    rank_major = type(w)(**{**w.__dict__, "B": w.B.transpose(1, 2).contiguous().transpose(1, 2)})
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(len(slots), in_dim, generator=gen).to(dtype)
+    base = torch.randn(len(slots), 96, generator=gen).to(dtype)
+    expected = base.double() + per_adapter_reference(x, w, slots)
+    for weights in (w, rank_major):
+        out = base.clone()
+        backend = backend_for("cpp")
+        backend.apply(x, out, weights, backend.prepare(torch.tensor(slots, dtype=torch.int32)))
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * float(expected.abs().max()))
+        for t, slot in enumerate(slots):
+            if slot < 0:
+                assert torch.equal(out[t], base[t])
+
+
 def test_cpu_pool_is_rank_major(pool_and_adapters) -> None:
     pool, _ = pool_and_adapters
     w = pool.weights(0, "gate_up")

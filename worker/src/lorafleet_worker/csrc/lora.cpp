@@ -13,7 +13,8 @@
 // independent sums; expand: 3-4 tokens x 16 columns held in registers over the whole rank). In bfloat16 on a
 // CPU with AVX512-BF16 the shrink's tiles multiply bfloat16 pairs (`vdpbf16ps`, x and A read as they are). A
 // segment of one or two tokens reads each A row once for both tokens and takes two-token expand loops with each
-// B row widened once for both tokens. Only each adapter's own rank is read (no max-rank padding), slices of rank
+// B row widened once for both tokens. A step whose every segment is one token (one user's decode) skips the work
+// lists: `run_tokens`, 1-token tiles on the calling thread (AVX2 + FMA). Only each adapter's own rank is read (no max-rank padding), slices of rank
 // 0 are skipped, x rows are read in place through the step's row list (no gather, no scatter).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -134,6 +135,53 @@ inline int64_t expand_tile(const float* coef, int64_t R, const T* b, int64_t bs,
 }
 #endif
 
+#ifdef LF_AVX2
+// Steps whose every segment is one token (a one-user decode, or each adapter's single decode row): per segment
+// and slice the shrink in tiles of 4 rank rows against the token's widened row (no token repeated to fill a tile),
+// then the expand added straight into the token's output row, 64 columns held in registers over the whole rank.
+// On the calling thread, with no work lists and no buffers beyond the widened row and the rank's coefficients.
+template <typename T>
+void run_tokens(const T* xp, int64_t xs, T* op, int64_t os, const T* ap, int64_t as_slot, int64_t as_slice,
+                int64_t as_rank, const T* bp, int64_t bs_slot, int64_t bs_rank, const int32_t* rk, int64_t rs_slot,
+                const float* sc, int64_t ss_slot, const std::vector<int64_t>& offs, const int32_t* rp,
+                const std::vector<Seg>& segs, int64_t n_slices, int64_t K, int64_t R) {
+  thread_local std::vector<float> xbuf, coef;
+  xbuf.resize(static_cast<size_t>(K));
+  coef.resize(static_cast<size_t>(R));
+  for (const Seg& sg : segs) {
+    if (sg.end == sg.start) continue;
+    const int64_t row = rp[sg.start];
+    const float* xr = widen<T>(xp + row * xs, xbuf.data(), K);
+    for (int64_t s = 0; s < n_slices; ++s) {
+      const int64_t r = rk[sg.slot * rs_slot + s];
+      if (r <= 0) continue;
+      const float scale = sc[sg.slot * ss_slot + s];
+      const T* a_base = ap + sg.slot * as_slot + s * as_slice;
+      for (int64_t j = 0; j < r; j += 4) {  // a tile past r repeats row r - 1
+        const T* a[4];
+        for (int64_t i = 0; i < 4; ++i) a[i] = a_base + std::min(j + i, r - 1) * as_rank;
+        float sums[4];
+        dot_tile<T, 1, 4, 2>(&xr, a, K, sums);
+        for (int64_t i = 0; i < std::min<int64_t>(4, r - j); ++i) coef[j + i] = scale * sums[i];
+      }
+      const int64_t nc = offs[s + 1] - offs[s];
+      T* o = op + row * os + offs[s];
+      const T* b = bp + sg.slot * bs_slot + offs[s];
+      int64_t done = expand_tile<T, 1, 8>(coef.data(), R, b, bs_rank, r, &o, nc);
+      if (done < nc) {
+        T* rest = o + done;
+        done += expand_tile<T, 1, 1>(coef.data(), R, b + done, bs_rank, r, &rest, nc - done);
+      }
+      for (int64_t i = done; i < nc; ++i) {
+        float v = 0.f;
+        for (int64_t j = 0; j < r; ++j) v += coef[j] * to_float(b[j * bs_rank + i]);
+        o[i] = static_cast<T>(static_cast<float>(o[i]) + v);
+      }
+    }
+  }
+}
+#endif
+
 #if defined(LF_AVX2) && defined(__GNUC__)
 // bfloat16 shrink tiles with AVX512-BF16 `vdpbf16ps` (32 products of bfloat16 pairs into 16 float32 lanes an
 // instruction, twice a widened FMA's work and no widening): compiled function by function into every x86 build
@@ -186,6 +234,20 @@ void run(const at::Tensor& x, at::Tensor& out, const at::Tensor& A, const at::Te
   const int64_t n_rows = rows.size(0);
   const int64_t rs_slot = ranks.stride(0), ss_slot = scalings.stride(0);
 
+#ifdef LF_AVX2
+  if (rank_major && K % 8 == 0 &&
+      std::all_of(segs.begin(), segs.end(), [](const Seg& g) { return g.end - g.start <= 1; })) {
+    int64_t work = 0;  // multiply-adds of the step: above ~4 x 64k the work-split passes below win
+    for (const Seg& g : segs)
+      for (int64_t s = 0; s < n_slices; ++s)
+        work += (g.end - g.start) * std::max<int32_t>(rk[g.slot * rs_slot + s], 0) * (K + offs[s + 1] - offs[s]);
+    if (work < (1 << 18)) {
+      run_tokens<T>(xp, xs, op, os, ap, as_slot, as_slice, as_rank, bp, bs_slot, bs_rank, rk, rs_slot, sc, ss_slot,
+                    offs, rp, segs, n_slices, K, R);
+      return;
+    }
+  }
+#endif
   // xa[p, s, j]: the shrunk activations of the p-th token of the segment list, slice s, rank row j
   std::vector<float> xa(static_cast<size_t>(std::max<int64_t>(n_rows, 1) * n_slices * R));
   struct Item {
