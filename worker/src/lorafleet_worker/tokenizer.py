@@ -150,6 +150,10 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """The vocabulary entries of `token_ids` (transformers' `convert_ids_to_tokens`)."""
+        return [self._tok.id_to_token(i) or "" for i in token_ids]
+
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (used for logprobs)."""
         return self._tok.decode([token_id], skip_special_tokens=False)

@@ -1,9 +1,11 @@
-"""Inference API (port 8000, OpenAI-compatible) plus vLLM's load/unload endpoints."""
+"""Inference API (port 8000, OpenAI-compatible: completions, chat completions, responses) plus vLLM's
+load/unload, tokenize/detokenize and version endpoints."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import time
@@ -26,7 +28,17 @@ from lorafleet_worker.api.protocol import (
     _SamplingBody,
     openai_error_body,
 )
+from lorafleet_worker.api.reasoning import ReasoningParser
+from lorafleet_worker.api.responses import (
+    ResponseEvents,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStore,
+    output_items,
+    to_chat_request,
+)
 from lorafleet_worker.api.shapers import ChatShaper, Choice, CompletionShaper
+from lorafleet_worker.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from lorafleet_worker.api.validation import prompt_ids, sampling_params, structured_output, tool_plan
 from lorafleet_worker.service import WorkerService, path_to_uri
 from lorafleet_worker.structured.grammar import CompiledGrammar, Constraint, GrammarError
@@ -65,7 +77,7 @@ async def _start_choices(
     each follows its own copy of `grammar`."""
     if len(prompts) * body.n > MAX_CHOICES:
         raise APIError(400, f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
-    adapter = service.resolve_model(body.model)
+    adapter = await service.serve_model(body.model)  # loads a catalogued adapter on demand
     gens = []
     for ids in prompts:
         params = sampling_params(
@@ -100,8 +112,11 @@ async def _start_choices(
     return [Choice(i, g) for i, g in enumerate(gens)]
 
 
-def _add_echo(service: WorkerService, choices: list[Choice], prompts: list[str] | list[list[int]], n: int) -> None:
-    """Put each prompt (text, and its tokens with logprobs when scored) before its choices' completions."""
+def _add_echo(
+    service: WorkerService, choices: list[Choice], prompts: list[str] | list[list[int]], n: int, top: int | None
+) -> None:
+    """Put each prompt (text, and its tokens with their logprobs and `top` top logprobs when scored) before its
+    choices' completions."""
     tok = service.tokenizer
     for c in choices:
         prompt = prompts[c.index // n]
@@ -112,8 +127,9 @@ def _add_echo(service: WorkerService, choices: list[Choice], prompts: list[str] 
         ids = c.gen.prompt_ids
         offset = 0
         for i, token_id in enumerate(ids):
-            lp, top = (None, None) if i == 0 else scores[i - 1]
-            c.echo_tokens.append(TokenInfo(token_id, lp, top, offset))
+            lp, best = (None, None) if i == 0 else scores[i - 1]
+            best = None if best is None else dict(list(best.items())[: top or 0])
+            c.echo_tokens.append(TokenInfo(token_id, lp, best, offset))
             offset += len(tok.token_text(token_id))
 
 
@@ -182,18 +198,91 @@ async def _stream(shaper: Shaper) -> AsyncIterator[str]:
         yield _sse("[DONE]")
 
 
-async def _respond(shaper: Shaper, stream: bool) -> Any:
-    if stream:
-        return StreamingResponse(_stream(shaper), media_type="text/event-stream")
+async def _collect(shaper: Shaper) -> list[Delta]:
+    """Every choice's whole completion."""
     tasks = [asyncio.ensure_future(c.gen.collect()) for c in shaper.choices]
     try:
-        results = await asyncio.gather(*tasks)
+        return list(await asyncio.gather(*tasks))
     except BaseException:  # one choice failed or the client left: end the others (each closes its request)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-    return shaper.response(list(results))
+
+
+async def _respond(shaper: Shaper, stream: bool) -> Any:
+    if stream:
+        return StreamingResponse(_stream(shaper), media_type="text/event-stream")
+    return shaper.response(await _collect(shaper))
+
+
+async def _start_chat(service: WorkerService, request: Request, body: ChatCompletionRequest) -> ChatShaper:
+    """Render, tokenize and submit a chat request; its shaper (tool calls and reasoning parsed as configured)."""
+    body.check_supported()
+    settings = service.settings
+    tools = tool_plan(body, auto_tool_choice=settings.enable_auto_tool_choice, parser_name=settings.tool_call_parser)
+    spec = tools.grammar or structured_output(body)
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        ids = service.tokenizer.encode_chat(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            template_kwargs=body.chat_template_kwargs,
+            tools=tools.tools or None,
+        )
+    except TokenizerError as e:
+        raise APIError(400, str(e), param="messages") from e
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    grammar = await _compile(service, spec)
+    choices = await _start_choices(service, request, body, [ids], max_tokens, top, grammar=grammar)
+    reasoning = ReasoningParser(settings.reasoning_parser) if settings.reasoning_parser else None
+    return ChatShaper(
+        service.tokenizer,
+        body,
+        choices,
+        want_logprobs=body.logprobs,
+        tool_parser=tools.parser,
+        parallel_tool_calls=tools.parallel,
+        reasoning=reasoning,
+        thinking=reasoning is not None and reasoning.thinking(body.chat_template_kwargs),
+        include_reasoning=body.include_reasoning,
+    )
+
+
+def _sse_event(event: Chunk) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+async def _response_stream(
+    shaper: ChatShaper, events: ResponseEvents, done: Callable[[list[dict[str, Any]]], None]
+) -> AsyncIterator[str]:
+    """Server-sent Responses events of one streamed response; `done(output)` once it completed."""
+    try:
+        for e in events.start():
+            yield _sse_event(e)
+        reason = None
+        started = False
+        async for c, d in _merged_deltas(shaper.choices):
+            choice = shaper.chunk(c, d, first=not started)["choices"][0]
+            started = True
+            reason = choice["finish_reason"] or reason
+            for e in events.feed(choice["delta"]):
+                yield _sse_event(e)
+        for e in events.finish(reason, shaper.usage()):
+            yield _sse_event(e)
+        done(events.output)
+    except ClientDisconnected:
+        log.info("stream %s: client disconnected, request aborted", events.response.id)
+    except Exception as e:  # the status line is already sent; report in-band as OpenAI's `error` event
+        if isinstance(e, APIError):  # e.g. the engine died mid-stream (503)
+            log.warning("stream %s failed: %s", events.response.id, e.message)
+            err = e
+        else:
+            log.exception("stream %s failed", events.response.id)
+            err = APIError(500, f"internal error: {type(e).__name__}")
+        body = openai_error_body(err)["error"]
+        yield _sse_event({"type": "error", "sequence_number": 0, **body})
 
 
 # --- app --------------------------------------------------------------------------------------------
@@ -211,53 +300,58 @@ def build_inference_app(service: WorkerService) -> FastAPI:
         prompts = body.prompts()
         vocab = service.vocab_size
         ids = [prompt_ids(service.tokenizer.encode, p, vocab) for p in prompts]
-        scored = body.echo and body.logprobs is not None  # echo with logprobs scores the prompt (vLLM)
+        scores = body.prompt_scores()
+        # the engine scores the prompt once, with the larger top-k that echo's logprobs and prompt_logprobs ask for
+        top = None if scores is None else max(scores, body.logprobs or 0)
         grammar = await _compile(service, spec)
-        choices = await _start_choices(
-            service, request, body, ids, body.max_tokens, body.logprobs, body.logprobs if scored else None, grammar
-        )
+        choices = await _start_choices(service, request, body, ids, body.max_tokens, body.logprobs, top, grammar)
         if body.echo:
-            _add_echo(service, choices, prompts, body.n)
+            _add_echo(service, choices, prompts, body.n, body.logprobs)
         shaper = CompletionShaper(
             service.tokenizer,
             body,
             choices,
             want_logprobs=body.logprobs is not None,
             token_ids_as_text=body.return_tokens_as_token_ids,
+            prompt_logprobs=scores,
         )
         return await _respond(shaper, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        body.check_supported()
-        settings = service.settings
-        tools = tool_plan(
-            body, auto_tool_choice=settings.enable_auto_tool_choice, parser_name=settings.tool_call_parser
-        )
-        spec = tools.grammar or structured_output(body)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            ids = service.tokenizer.encode_chat(
-                messages,
-                add_generation_prompt=body.add_generation_prompt,
-                template_kwargs=body.chat_template_kwargs,
-                tools=tools.tools or None,
-            )
-        except TokenizerError as e:
-            raise APIError(400, str(e), param="messages") from e
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        grammar = await _compile(service, spec)
-        choices = await _start_choices(service, request, body, [ids], max_tokens, top, grammar=grammar)
-        shaper = ChatShaper(
-            service.tokenizer,
-            body,
-            choices,
-            want_logprobs=body.logprobs,
-            tool_parser=tools.parser,
-            parallel_tool_calls=tools.parallel,
-        )
-        return await _respond(shaper, body.stream)
+        return await _respond(await _start_chat(service, request, body), body.stream)
+
+    stored = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Any:
+        chat, conversation = to_chat_request(body, stored.history(body.previous_response_id))
+        shaper = await _start_chat(service, request, chat)
+        response = ResponseObject(body)
+
+        def done(output: list[dict[str, Any]]) -> None:
+            if body.store:
+                stored.put(response.id, conversation, output)
+
+        if body.stream:
+            stream = _response_stream(shaper, ResponseEvents(response), done)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        choice = shaper.response(await _collect(shaper))["choices"][0]
+        output = output_items(choice["message"])
+        done(output)
+        return response.render(output, status="completed", finish_reason=choice["finish_reason"], usage=shaper.usage())
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+        return tokenize(service, body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
+        return detokenize(service, body)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": importlib.metadata.version("lorafleet-worker")}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

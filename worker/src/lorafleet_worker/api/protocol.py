@@ -223,8 +223,10 @@ class CompletionRequest(_SamplingBody):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    # vLLM extension: logprob tokens as "token_id:N" instead of text
+    # vLLM extensions: logprob tokens as "token_id:N" instead of text; each prompt token's logprob and the
+    # top-k at its position (`choices[].prompt_logprobs`, not streamed; echo with logprobs implies it)
     return_tokens_as_token_ids: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -232,6 +234,14 @@ class CompletionRequest(_SamplingBody):
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, self.n):
             raise APIError(400, "best_of must equal n (no server-side ranking)", param="best_of")
+        if self.stream and self.prompt_logprobs:
+            raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+
+    def prompt_scores(self) -> int | None:
+        """How many top logprobs to score each prompt token with (vLLM: echo with logprobs scores the prompt)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompt as a list of prompts (text or token ids)."""
@@ -283,6 +293,7 @@ class ChatCompletionRequest(_SamplingBody):
     # vLLM extensions
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": false}
+    include_reasoning: bool = True  # with --reasoning-parser: false leaves the reasoning out of the answer
 
     def check_supported(self) -> None:
         super().check_supported()

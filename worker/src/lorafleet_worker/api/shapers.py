@@ -13,6 +13,7 @@ from typing import Any
 
 from lorafleet_worker.api.generation import Delta, Generation, TokenInfo, new_request_id
 from lorafleet_worker.api.protocol import _SamplingBody
+from lorafleet_worker.api.reasoning import ReasoningParser, ReasoningStream
 from lorafleet_worker.structured.tool_calls import ToolCallParser, ToolCallStream, tool_call_objects
 from lorafleet_worker.tokenizer import Tokenizer
 
@@ -91,8 +92,42 @@ class _Shaper:
 
 
 class CompletionShaper(_Shaper):
+    """Completions; with `prompt_logprobs` (k), each choice of the complete response carries vLLM's
+    `prompt_logprobs`: None for the first prompt token, then {token id: {"logprob", "rank", "decoded_token"}}
+    for the prompt token and the k most likely there (the prompt token's rank is None when not among them)."""
+
     object_name = chunk_object_name = "text_completion"
     id_prefix = "cmpl"
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        body: _SamplingBody,
+        choices: list[Choice],
+        *,
+        want_logprobs: bool,
+        token_ids_as_text: bool = False,
+        prompt_logprobs: int | None = None,
+    ) -> None:
+        super().__init__(tokenizer, body, choices, want_logprobs=want_logprobs, token_ids_as_text=token_ids_as_text)
+        self._prompt_top = prompt_logprobs
+
+    def prompt_logprobs(self, c: Choice) -> list[dict[str, Any] | None] | None:
+        scores = c.gen.prompt_logprobs
+        if self._prompt_top is None or scores is None:
+            return None
+        out: list[dict[str, Any] | None] = [None]
+        for token_id, (lp, top) in zip(c.gen.prompt_ids[1:], scores, strict=True):
+            best = list(top.items())[: self._prompt_top]
+            ranks = {i: r for r, (i, _) in enumerate(best, 1)}
+            entries = {token_id: lp, **dict(best)}
+            out.append(
+                {
+                    str(i): {"logprob": v, "rank": ranks.get(i), "decoded_token": self.token_str(i)}
+                    for i, v in entries.items()
+                }
+            )
+        return out
 
     def logprobs(self, tokens: list[TokenInfo], offset: int = 0) -> dict[str, Any]:
         return {
@@ -117,7 +152,10 @@ class CompletionShaper(_Shaper):
         return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
 
     def response(self, results: list[Delta]) -> Chunk:
-        choices = [self._choice(c, d, first=True) for c, d in zip(self.choices, results, strict=True)]
+        choices = [
+            {**self._choice(c, d, first=True), "prompt_logprobs": self.prompt_logprobs(c)}
+            for c, d in zip(self.choices, results, strict=True)
+        ]
         return {**self.envelope(choices, chunk=False), "usage": self.usage()}
 
     def chunk(self, c: Choice, d: Delta, *, first: bool) -> Chunk:
@@ -128,7 +166,9 @@ class CompletionShaper(_Shaper):
 
 
 class ChatShaper(_Shaper):
-    """Chat completions; with a tool-call parser, calls in the output become `tool_calls`."""
+    """Chat completions; with a reasoning parser, the thinking becomes `reasoning` (and vLLM's former name
+    `reasoning_content`), unless `include_reasoning` is off; with a tool-call parser, calls in the rest of
+    the output become `tool_calls`."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
@@ -143,11 +183,21 @@ class ChatShaper(_Shaper):
         want_logprobs: bool,
         tool_parser: ToolCallParser | None = None,
         parallel_tool_calls: bool = True,
+        reasoning: ReasoningParser | None = None,
+        thinking: bool = True,
+        include_reasoning: bool = True,
     ) -> None:
+        """`thinking`: the output starts inside the thinking (`ReasoningParser.thinking`)."""
         super().__init__(tokenizer, body, choices, want_logprobs=want_logprobs)
         self._parser = tool_parser
         self._parallel = parallel_tool_calls
         self._streams = {c.index: ToolCallStream(tool_parser) for c in choices} if tool_parser else {}
+        self._reasoning = reasoning
+        self._thinking = thinking
+        self._include_reasoning = include_reasoning
+        self._thoughts: dict[int, ReasoningStream] = (
+            {c.index: reasoning.stream(thinking) for c in choices} if reasoning else {}
+        )
 
     def logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
@@ -165,14 +215,25 @@ class ChatShaper(_Shaper):
         return "tool_calls" if called and reason == "stop" else reason
 
     def _message(self, d: Delta) -> tuple[dict[str, Any], str | None]:
+        if self._reasoning is None:
+            return self._answer(d.text, d.finish_reason)
+        reasoning, text = self._reasoning.split(d.text, self._thinking)
+        message, reason = self._answer(text or "", d.finish_reason)
+        if text is None and "tool_calls" not in message:
+            message["content"] = None
+        thought = reasoning if self._include_reasoning else None
+        return {**message, "reasoning": thought, "reasoning_content": thought}, reason
+
+    def _answer(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The message of the output's answer (after any reasoning): content, or tool calls."""
         if self._parser is None:
-            return {"role": "assistant", "content": d.text}, d.finish_reason
-        content, drafts = self._parser.parse(d.text, True)
+            return {"role": "assistant", "content": text}, finish_reason
+        content, drafts = self._parser.parse(text, True)
         calls = tool_call_objects(drafts if self._parallel else drafts[:1])
         if not calls:
-            return {"role": "assistant", "content": d.text}, d.finish_reason
+            return {"role": "assistant", "content": text}, finish_reason
         message = {"role": "assistant", "content": content or None, "tool_calls": calls}
-        return message, self._finish(d.finish_reason, True)
+        return message, self._finish(finish_reason, True)
 
     def response(self, results: list[Delta]) -> Chunk:
         choices = []
@@ -189,12 +250,18 @@ class ChatShaper(_Shaper):
     def chunk(self, c: Choice, d: Delta, *, first: bool) -> Chunk:
         delta: dict[str, Any] = {}
         reason = d.finish_reason
+        text = d.text
+        thoughts = self._thoughts.get(c.index)
+        if thoughts is not None:
+            thought, text = thoughts.feed(text, final=reason is not None)
+            if thought and self._include_reasoning:
+                delta["reasoning"] = delta["reasoning_content"] = thought
         stream = self._streams.get(c.index)
         if stream is None:
-            if d.text:
-                delta["content"] = d.text
+            if text:
+                delta["content"] = text
         else:
-            content, pieces = stream.feed(d.text, final=reason is not None)
+            content, pieces = stream.feed(text, final=reason is not None)
             if not self._parallel:
                 pieces = [p for p in pieces if p["index"] == 0]
             if content:
