@@ -137,6 +137,21 @@ def test_autoscaling_is_accepted_with_defaults(cluster: TestCluster, ns: str) ->
     assert spec["autoscaling"] == {"minReplicas": 1, "maxReplicas": 4, "target": 2.5}
 
 
+def test_scale_to_zero_is_accepted_and_its_duration_checked(cluster: TestCluster, ns: str) -> None:
+    for name, after in (("zero-seconds", 300), ("zero-minutes", "5m")):
+        manifest = lora(name)
+        manifest["spec"]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 2, "target": 1, "scaleToZeroAfter": after}
+        out = apply(cluster, ns, manifest)
+        assert out.returncode == 0, out.stderr
+        spec = cluster.get(f"/apis/nvidia.com/v1alpha1/namespaces/{ns}/dynamomodels/{name}")["spec"]
+        assert spec["autoscaling"]["minReplicas"] == 0 and spec["autoscaling"]["scaleToZeroAfter"] == after
+    for after in ("5 minutes", -1):
+        manifest = lora("zero-bad")
+        manifest["spec"]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 2, "target": 1, "scaleToZeroAfter": after}
+        out = apply(cluster, ns, manifest)
+        assert out.returncode != 0 and "scaleToZeroAfter must be seconds" in out.stderr, out.stderr
+
+
 def test_base_model_and_type_are_immutable(cluster: TestCluster, ns: str) -> None:
     assert apply(cluster, ns, lora("immutable")).returncode == 0
     for patch, field in (({"baseModelName": "other/model"}, "baseModelName"), ({"modelType": "base"}, "modelType")):

@@ -84,7 +84,10 @@ def test_every_field_is_documented_and_structural(crd: dict[str, Any]) -> None:
         if path == ".metadata":
             continue
         assert node.get("description"), f"{path or '<root>'} has no description"
-        assert "type" in node, f"{path} has no type (not structural)"
+        int_or_string = node.get("x-kubernetes-int-or-string") and node.get("anyOf") == [
+            {"type": "integer"}, {"type": "string"}
+        ]  # fmt: skip
+        assert "type" in node or int_or_string, f"{path} has no type (not structural)"
         assert not node.get("x-kubernetes-preserve-unknown-fields"), path
 
 
@@ -149,10 +152,31 @@ def test_autoscaling_schema(crd: dict[str, Any]) -> None:
     spec = schema(crd)["properties"]["spec"]
     auto = spec["properties"]["autoscaling"]
     assert auto["required"] == ["maxReplicas", "target"]
-    assert auto["properties"]["minReplicas"]["default"] == 1 and auto["properties"]["minReplicas"]["minimum"] == 1
+    assert auto["properties"]["minReplicas"]["default"] == 1 and auto["properties"]["minReplicas"]["minimum"] == 0
     assert auto["properties"]["maxReplicas"]["minimum"] == 1
     assert auto["properties"]["target"]["type"] == "number" and auto["properties"]["target"]["exclusiveMinimum"]
     assert any("self.minReplicas <= self.maxReplicas" in r["rule"] for r in auto["x-kubernetes-validations"])
     assert any(r["rule"] == "!has(self.replicas) || !has(self.autoscaling)" for r in spec["x-kubernetes-validations"])
     status = schema(crd)["properties"]["status"]["properties"]
     assert status["desiredReplicas"]["type"] == status["currentReplicas"]["type"] == "integer"
+    assert "ScaledToZero" in status["phase"]["enum"]
+
+
+@pytest.mark.parametrize(("value", "ok"), [("300", True), ("90s", True), ("5m", True), ("1.5h", True),
+                                           ("5 m", False), ("5min", False), ("-3", False), ("", False)])  # fmt: skip
+def test_scale_to_zero_after_strings(crd: dict[str, Any], value: str, ok: bool) -> None:
+    """The CRD's rule for strings and the operator's parser agree (the API server runs the rule in e2e)."""
+    from lorafleet_operator.autoscale import parse_duration
+
+    (rule,) = schema(crd)["properties"]["spec"]["properties"]["autoscaling"]["properties"]["scaleToZeroAfter"][
+        "x-kubernetes-validations"
+    ]
+    pattern = re.search(r"self.matches\('(.+)'\)", rule["rule"])
+    assert pattern is not None
+    assert bool(re.search(pattern.group(1), value)) == ok
+    try:
+        parse_duration(value, 0.0)
+        parsed = True
+    except ValueError:
+        parsed = False
+    assert parsed == ok

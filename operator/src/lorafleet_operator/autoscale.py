@@ -10,7 +10,13 @@ The policy (``decide``, a plain function the simulation ``bench/sim_placement.py
 - shrink only when ``demand / target`` has fallen below ``scale_down_at`` of the current count
   (hysteresis: shrinking never lands a replica back above ``scale_down_at x target``), and only
   after ``cooldown`` since the last change (cool-down), to ``ceil(demand / (scale_down_at x target))``;
-- always within ``[minReplicas, maxReplicas]`` (a spec change applies at once).
+- always within ``[minReplicas, maxReplicas]`` (a spec change applies at once);
+- ``minReplicas: 0``: at least one replica while there is demand; after ``scaleToZeroAfter`` (a
+  duration: seconds, or a number with ``s``, ``m`` or ``h``; default 300 s) with no demand (the routers
+  no longer report it: their mean decayed below ``IDLE_DEMAND``) none (``ScaledToZero``): the
+  reconciler unloads it everywhere and it stays in the workers' catalogues, so the first request
+  loads it on demand on its rendezvous pod; that request's demand scales it back up, and the
+  placement keeps the replica there.
 
 The reconciler places the wanted count along the adapter's HRW order within capacity and, by
 default, by demand-weighted bounded loads (``placement.place_balanced``, weighted by the demand
@@ -28,9 +34,10 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lorafleet_operator.resources import Model
@@ -44,25 +51,57 @@ DEFAULT_COOLDOWN = 300.0  # seconds between a change and the next shrink
 SCALED_UP, SCALED_DOWN, STEADY, COOLING_DOWN = "ScaledUp", "ScaledDown", "AtTarget", "CoolingDown"
 AT_MIN, AT_MAX, NO_DEMAND_DATA = "AtMinReplicas", "AtMaxReplicas", "NoDemandData"
 LIMITED_BY_CAPACITY = "LimitedByCapacity"
+SCALED_TO_ZERO = "ScaledToZero"
+
+DEFAULT_SCALE_TO_ZERO_AFTER = 300.0  # seconds without demand before minReplicas 0 means none
+IDLE_DEMAND = 0.001  # below this the routers drop an adapter from their report: no demand
+_DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smh]?)$")
+_UNIT = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: object, default: float) -> float:
+    """Seconds of a duration given as a number of seconds or a string like ``"300"``, ``"90s"``,
+    ``"5m"``, ``"1h"`` (None: ``default``)."""
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        raise ValueError(f"not a duration: {value!r}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value).strip())
+        if match is None:
+            raise ValueError(f"not a duration (seconds, or a number with s, m or h): {value!r}")
+        seconds = float(match.group(1)) * _UNIT[match.group(2)]
+    if seconds < 0:
+        raise ValueError(f"a duration must not be negative: {value!r}")
+    return seconds
 
 
 @dataclass(frozen=True)
 class Policy:
     """``spec.autoscaling``: replica bounds and the demand one replica should carry."""
 
-    min_replicas: int
+    min_replicas: int  # 0: scales to zero after ``scale_to_zero_after`` seconds without demand
     max_replicas: int
     target: float
+    scale_to_zero_after: float = DEFAULT_SCALE_TO_ZERO_AFTER
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any] | None) -> Policy | None:
         """The policy of ``spec.autoscaling`` (None when absent: fixed replicas)."""
         if not spec:
             return None
-        low = int(spec.get("minReplicas") or 1)
-        high = max(low, int(spec.get("maxReplicas") or low))
+        raw = spec.get("minReplicas")
+        low = max(0, int(1 if raw is None else raw))
+        high = max(low, 1, int(spec.get("maxReplicas") or low))
         target = float(spec.get("target") or 1.0)
-        return cls(low, high, target if target > 0 else 1.0)
+        try:
+            idle = parse_duration(spec.get("scaleToZeroAfter"), DEFAULT_SCALE_TO_ZERO_AFTER)
+        except ValueError as e:  # the CRD validates it; an object from before that is read as the default
+            log.warning("spec.autoscaling.scaleToZeroAfter: %s; using %gs", e, DEFAULT_SCALE_TO_ZERO_AFTER)
+            idle = DEFAULT_SCALE_TO_ZERO_AFTER
+        return cls(low, high, target if target > 0 else 1.0, idle)
 
     def clamp(self, n: int) -> int:
         return max(self.min_replicas, min(self.max_replicas, n))
@@ -76,7 +115,12 @@ class Decision:
 
     @property
     def changed(self) -> bool:
-        return self.reason in (SCALED_UP, SCALED_DOWN)
+        return self.reason in (SCALED_UP, SCALED_DOWN, SCALED_TO_ZERO)
+
+
+def at_zero(after: float) -> Decision:
+    """The decision of an adapter scaled to zero."""
+    return Decision(0, SCALED_TO_ZERO, f"no demand for {after:g}s: no replicas; the first request loads it on demand")
 
 
 def decide(
@@ -87,11 +131,20 @@ def decide(
     *,
     cooldown: float = DEFAULT_COOLDOWN,
     scale_down_at: float = SCALE_DOWN_AT,
+    idle_for: float = 0.0,
 ) -> Decision:
-    """The replica count for ``demand`` given the ``current`` count, changed ``since_change`` ago."""
+    """The replica count for ``demand`` given the ``current`` count, changed ``since_change`` ago, with no
+    demand for ``idle_for`` seconds (``minReplicas: 0`` only)."""
     demand = max(0.0, demand)
     per = demand / max(current, 1)
     what = f"demand {demand:.2f} = {per:.2f} per replica on {current} (target {policy.target:g})"
+    if policy.min_replicas == 0:
+        if demand < IDLE_DEMAND and (current == 0 or idle_for >= policy.scale_to_zero_after):
+            return at_zero(policy.scale_to_zero_after)
+        policy = replace(policy, min_replicas=1)  # while there is demand, or not for long enough yet
+        if current == 0:
+            up = policy.clamp(math.ceil(demand / policy.target - 1e-9))
+            return Decision(up, SCALED_UP, f"{what}: back from zero to {up}")
     clamped = policy.clamp(current)
     if clamped != current:
         reason = SCALED_UP if clamped > current else SCALED_DOWN
@@ -117,6 +170,7 @@ class _State:
     replicas: int
     changed: float  # monotonic time of the last change
     decision: Decision
+    active: float  # monotonic time demand was last seen (or the state was made)
 
 
 class Autoscaler:
@@ -162,10 +216,14 @@ class Autoscaler:
         if state is None:  # first sight (or an operator restart): resume from the published status
             published = model.status.get("desiredReplicas")
             if not isinstance(published, int):  # newly autoscaled: keep what is placed (no sudden shrink)
-                published = len(model.status.get("placement") or ()) or policy.min_replicas
+                # a new adapter is loaded once (checked, served, catalogued) even with minReplicas 0
+                published = len(model.status.get("placement") or ()) or max(policy.min_replicas, 1)
             start = policy.clamp(published)
             decision = Decision(start, NO_DEMAND_DATA, f"{start} replicas until the routers report demand")
-            state = self._state[model.uid] = _State(start, self.clock(), decision)
+            if start == 0:
+                decision = at_zero(policy.scale_to_zero_after)
+            now = self.clock()
+            state = self._state[model.uid] = _State(start, now, decision, now)
         return state
 
     def replicas(self, model: Model) -> tuple[int, Decision] | None:
@@ -180,7 +238,7 @@ class Autoscaler:
         return state.replicas, state.decision
 
     def floor(self, model: Model) -> int:
-        """``minReplicas`` of an autoscaled model (1 otherwise)."""
+        """``minReplicas`` of an autoscaled model (1 otherwise; 0 for one that scales to zero)."""
         policy = Policy.from_spec(model.autoscaling)
         return 1 if policy is None else policy.min_replicas
 
@@ -197,9 +255,11 @@ class Autoscaler:
                 return False
             decision = Decision(clamped, SCALED_UP if clamped > state.replicas else SCALED_DOWN, "spec bounds changed")
         else:
+            if demand >= IDLE_DEMAND:
+                state.active = now
             decision = decide(
                 policy, demand, state.replicas, now - state.changed, cooldown=self.cooldown,
-                scale_down_at=self.scale_down_at,
+                scale_down_at=self.scale_down_at, idle_for=now - state.active,
             )  # fmt: skip
         changed = decision.replicas != state.replicas
         if not changed and decision.reason == STEADY and state.decision.changed:

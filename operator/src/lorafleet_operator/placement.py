@@ -74,7 +74,10 @@ def place(model_name: str, pods: Iterable[str], replicas: int) -> list[str]:
 def takes(model_name: str, placement: Iterable[str], replicas: int, pod_name: str) -> bool:
     """Whether ``pod_name`` joining the eligible pods enters ``model_name``'s current ``placement``.
 
-    One hash per placed pod instead of ranking every pod: what a pod event costs per model."""
+    One hash per placed pod instead of ranking every pod: what a pod event costs per model (none
+    for a model that wants no replica)."""
+    if replicas < 1:
+        return False
     current = [p for p in placement if p != pod_name]
     if len(current) < replicas:
         return True

@@ -33,6 +33,13 @@ One pass:
 6. a worker's 400 on a first load ends the model in ``Failed/AdapterInvalid`` until the source
    changes (on a swap: ``Degraded/SwapFailed``); other failures end the pass with
    ``Result.failed``: the work queue retries the model with its per-key exponential backoff.
+
+Adapters a worker loaded on demand (unpinned, from the catalogue ``catalog.Catalogs`` gives it) are
+not placement: never leavers, never drift. An autoscaled model the autoscaler scaled to zero
+(``minReplicas: 0``) publishes phase ``ScaledToZero`` with no endpoint, then unloads it from every
+pod, on-demand copies included (once per scale-down: copies a request loads later stay; see
+``_at_zero``); its ``servedUri`` keeps it in the catalogue. Coming back, a placement that holds no
+Ready pod keeps the pods that hold an on-demand copy (the router's rendezvous pod), so nothing moves.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ from lorafleet_operator.autoscale import LIMITED_BY_CAPACITY, Autoscaler, Decisi
 from lorafleet_operator.drift import drift_pass
 from lorafleet_operator.inventory import WorkerInventory
 from lorafleet_operator.ledger import Ledger, MemoryLedger
-from lorafleet_operator.placement import DEFAULT_EPSILON, Loads, place_balanced, place_within, relief
+from lorafleet_operator.placement import DEFAULT_EPSILON, Loads, place_balanced, place_within, rank, relief
 from lorafleet_operator.resources import Model, Pod
 from lorafleet_operator.workers import WorkerClient, WorkerError
 
@@ -160,6 +167,7 @@ class Reconciler:
         self.progress_after = progress_after  # a first load publishes "Loading" only once it takes this long
         self._invalid: dict[str, tuple[str, str]] = {}  # model uid -> (URI, worker message)
         self._settled: dict[str, tuple[tuple[str, ...], float]] = {}  # model uid -> (placement, first seen)
+        self._zeroing: set[str] = set()  # model uids scaled to zero in this run whose copies are not all unloaded
 
     # ---- what the runtime's loops ask of the pieces the reconciler holds (so none reaches through it) ----
     def observe_job(self, body: Mapping[str, Any], *, deleted: bool) -> None:
@@ -197,6 +205,7 @@ class Reconciler:
         """Forget a deleted model (``keep_loaded``: its adapter stays, a successor owns the name)."""
         self._invalid.pop(model.uid, None)
         self._settled.pop(model.uid, None)
+        self._zeroing.discard(model.uid)
         self.autoscaler.forget(model.uid)
         if not keep_loaded:
             self.inventory.forget_name(model.model_name)
@@ -243,8 +252,16 @@ class Reconciler:
                 return result
             cond = st.Condition("EndpointsReady", False, st.WAITING_FOR_SYNC, f"waiting for sync Job {source.job}")
             return Result(st.render(obs.outcome(st.SYNCING, cond), model.status), source.requeue)
+        if replicas == 0:
+            result = await self._at_zero(model, pods, target, obs, scaling)
+            result.requeue_after = _earliest(source.requeue, result.requeue_after)
+            return result
+        self._zeroing.discard(model.uid)
 
         ready_pods = sorted(p for p in pods if p.ready and p.ip)
+        if ready_pods and model.status.get("phase") == st.SCALED_TO_ZERO:
+            # back from zero: what the router's rendezvous pod loaded on demand is placement's to keep
+            self.inventory.drop_listing(_by_rank(model.model_name, ready_pods)[0])
         if not ready_pods:
             self._count_churn(model, [])
             cond = st.Condition(
@@ -338,6 +355,38 @@ class Reconciler:
         under = self.retry_max if len(placement) < replicas else None
         result.requeue_after = _earliest(source.requeue, requeue, limited_retry, under)
         result.followup = bool(leavers)
+        return result
+
+    async def _at_zero(
+        self, model: Model, pods: Sequence[Pod], target: str, obs: st.Observed, scaling: Decision | None
+    ) -> Result:
+        """An autoscaled model at zero replicas: publish it without endpoints (``ScaledToZero``; its
+        ``servedUri`` keeps it in the workers' catalogues), then unload it from every pod after the
+        grace. The scale-down that brought it here also unloads the copies workers loaded on demand;
+        later passes (and a restarted operator, which finds it at zero already) leave such copies to
+        the requests that loaded them, whose demand brings it back."""
+        if model.status.get("phase") != st.SCALED_TO_ZERO:
+            self._zeroing.add(model.uid)  # this run scales it down: every copy goes
+        zeroing = model.uid in self._zeroing
+        live = sorted(p for p in pods if (p.ready or p.serving) and p.ip)
+        if zeroing:  # on-demand copies come and go without the operator: list every pod afresh
+            for pod in live:
+                self.inventory.drop_listing(pod)
+        listings = await self.inventory.listings_of(live)
+        holders = [
+            p for p in live
+            if model.model_name in (listings[p] or ()) or (zeroing and model.model_name in self.inventory.on_demand(p))
+        ]  # fmt: skip
+        self._count_churn(model, [])
+        obs.served_uri = target
+        idle = scaling.message if scaling is not None else "no replicas"
+        cond = st.Condition("EndpointsReady", True, st.SCALED_TO_ZERO, idle)
+        requeue = await self._unload_leavers(model, [], target, holders)
+        if zeroing and requeue is None and _published(model.status, [], target):
+            self._zeroing.discard(model.uid)  # unloaded (or tried: a copy left pinned is a holder next time)
+        result = self._done(model, obs.outcome(st.SCALED_TO_ZERO, cond), ok=True)
+        result.requeue_after = requeue
+        result.followup = bool(holders)
         return result
 
     async def _source(self, model: Model) -> _Source:
@@ -539,6 +588,8 @@ class Reconciler:
         held = {p.name: set(listings[p] or ()) for p in ready_pods}  # a copy: ``relief`` updates it
         loads = Loads(held, self.autoscaler.weights(model.base_model_name))
         current = [str(n) for n in model.status.get("placement") or ()]
+        if not any(n in by_name for n in current):  # no Ready pod of its placement: keep on-demand copies
+            current = [p.name for p in ready_pods if model_name in self.inventory.on_demand(p)]
         chosen = place_balanced(model_name, by_name, replicas, current, loads, fits, self.balance_epsilon)
         if chosen != current:  # pods it joined may now be above the bound: their movable shares go again
             loads.set(model_name, chosen)
@@ -550,6 +601,12 @@ class Reconciler:
         if before:
             metrics.PLACEMENT_CHURN.labels("added").inc(len(set(placement) - before))
             metrics.PLACEMENT_CHURN.labels("removed").inc(len(before - set(placement)))
+
+
+def _by_rank(model_name: str, pods: Sequence[Pod]) -> list[Pod]:
+    """``pods`` in ``model_name``'s HRW order (the router's rendezvous pod first)."""
+    by_name = {p.name: p for p in pods}
+    return [by_name[n] for n in rank(model_name, by_name)]
 
 
 def _facts(

@@ -6,8 +6,10 @@ swap keeps the last good version, reason ``SwapFailed``) and ``Ready`` (routable
 adapter was fully loaded and while some endpoint still serves a good version; a first load
 that has not completed yet is not Ready). Reasons are CamelCase constants below.
 ``Autoscaling`` (only with ``spec.autoscaling``: reason ``ScaledUp``, ``ScaledDown``, ``AtTarget``,
-``CoolingDown``, ``AtMaxReplicas``, ``AtMinReplicas``, ``LimitedByCapacity`` or ``NoDemandData``,
-with the demand in the message) says why ``desiredReplicas`` is what it is. A condition's
+``CoolingDown``, ``AtMaxReplicas``, ``AtMinReplicas``, ``LimitedByCapacity``, ``NoDemandData`` or
+``ScaledToZero``, with the demand in the message) says why ``desiredReplicas`` is what it is. Phase
+``ScaledToZero`` (``minReplicas: 0`` after its idle window): no pod holds it, it is routable all the
+same (``Ready``, reason ``ScaledToZero``): the first request loads it on demand. A condition's
 ``lastTransitionTime`` changes only when its ``status`` changes, so recomputing an unchanged
 state yields an identical document (no status patch, no event loop).
 """
@@ -21,6 +23,7 @@ from typing import Any
 
 # phases
 PENDING, SYNCING, LOADING, READY, DEGRADED, FAILED = "Pending", "Syncing", "Loading", "Ready", "Degraded", "Failed"
+SCALED_TO_ZERO = "ScaledToZero"  # also the reason: no replica; workers load it on demand from their catalogue
 
 # reasons
 SOURCE_AVAILABLE = "SourceAvailable"  # s3:// / file:// (or hf:// without a store): workers fetch directly
@@ -100,7 +103,10 @@ class Observed:
         return sum(1 for e in self.endpoints if e["ready"] and e.get("podName") in self.placement)
 
     def summary(self) -> Condition:
-        """The Ready condition: true only in phase Ready, else the most telling failing reason."""
+        """The Ready condition: true in phase Ready and at zero (routable: loaded on demand), else the
+        most telling failing reason."""
+        if self.phase == SCALED_TO_ZERO:
+            return Condition("Ready", True, SCALED_TO_ZERO, self.endpoints_ready.message)
         if self.phase == READY:
             return Condition("Ready", True, "Ready", f"{self.ready_count}/{len(self.endpoints)} endpoints ready")
         if self.routable and self.ready_count:
