@@ -98,6 +98,31 @@ def test_response_events_accumulate_like_the_openai_client() -> None:
     assert final.usage is not None and final.usage.total_tokens == 8
 
 
+async def test_lora_modules_paths_become_source_uris(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--lora-modules loads after the model: a relative path as a local directory, a URI as it is."""
+    from types import SimpleNamespace
+
+    from lorafleet_worker.api.app import start_service
+    from lorafleet_worker.settings import LoRAModule
+
+    loads: list[tuple[str, str]] = []
+
+    async def start() -> None:
+        loads.append(("<model>", ""))
+
+    async def load_adapter(name: str, uri: str) -> Any:
+        loads.append((name, uri))
+        return SimpleNamespace(message=f"{name} loaded")
+
+    modules = (LoRAModule("a", "adapters/a"), LoRAModule("b", "s3://bucket/b", "base"))
+    service: Any = SimpleNamespace(
+        settings=SimpleNamespace(lora_modules=modules), start=start, load_adapter=load_adapter
+    )
+    monkeypatch.chdir(tmp_path)
+    await start_service(service)
+    assert loads == [("<model>", ""), ("a", f"file://{tmp_path}/adapters/a"), ("b", "s3://bucket/b")]
+
+
 # --- a worker with --reasoning-parser and --lora-modules -------------------------------------------------
 
 
