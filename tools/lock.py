@@ -27,7 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LOCKS = ROOT / "locks"
 PLATFORM = ("--python-version", "3.11", "--python-platform", "x86_64-manylinux_2_28")
-LOCAL_PACKAGES = {"jobs": "lorafleet-sync", "operator": "lorafleet-operator", "worker": "lorafleet-worker"}
+LOCAL_PACKAGES = {
+    "jobs": "lorafleet-sync",
+    "operator": "lorafleet-operator",
+    "sidecar": "lorafleet-vllm-sidecar",
+    "worker": "lorafleet-worker",
+}
 DIGEST_PREFIX = "# inputs-sha256: "
 
 
@@ -48,12 +53,16 @@ class Lock:
 
 LOCK_SET = (
     Lock("tools", (), ("uv", "setuptools"), purpose="the images' installer and build backend (not shipped)"),
-    Lock("operator", ("./jobs", "./operator"), purpose="Dockerfile.operator (operator, router, sync job)"),
+    Lock(
+        "operator",
+        ("./jobs", "./operator", "./sidecar"),
+        purpose="Dockerfile.operator (operator, router, sync job, vLLM sidecar)",
+    ),
     Lock("worker", ("./jobs", "./worker"), purpose="Dockerfile.worker, default image (no transformers/peft)"),
     Lock("worker-dev", ("./jobs", "./worker[dev]"), purpose="Dockerfile.worker with WORKER_EXTRAS=dev"),
     Lock(
         "dev",
-        ("./jobs", "./operator", "./worker[dev]", "./devcluster"),
+        ("./jobs", "./operator", "./sidecar", "./worker[dev]", "./devcluster"),
         dev_requirements=True,
         purpose="the development venv (make setup-python)",
     ),

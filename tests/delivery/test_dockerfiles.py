@@ -15,8 +15,13 @@ from packaging.requirements import Requirement
 from tests.delivery.dockerfile import Dockerfile
 
 ROOT = Path(__file__).resolve().parents[2]
-PROJECTS = {"jobs": "lorafleet-sync", "operator": "lorafleet-operator", "worker": "lorafleet-worker"}
-IMAGES = {"Dockerfile.worker": {"jobs", "worker"}, "Dockerfile.operator": {"jobs", "operator"}}
+PROJECTS = {
+    "jobs": "lorafleet-sync",
+    "operator": "lorafleet-operator",
+    "sidecar": "lorafleet-vllm-sidecar",
+    "worker": "lorafleet-worker",
+}
+IMAGES = {"Dockerfile.worker": {"jobs", "worker"}, "Dockerfile.operator": {"jobs", "operator", "sidecar"}}
 LOCK_ARG = re.compile(r'-r "?locks/')
 FORBIDDEN_IN_OPERATOR = re.compile(r"^(torch|triton|nvidia-.*|transformers|peft|accelerate)$")
 
@@ -138,7 +143,8 @@ def dependency_closure(dist: str) -> set[str]:
 
 def test_operator_image_requirements_have_no_torch() -> None:
     closure = dependency_closure("lorafleet-operator") | dependency_closure("lorafleet-sync")
-    assert {"lorafleet-operator", "lorafleet-sync", "kopf", "boto3"} <= closure
+    closure |= dependency_closure("lorafleet-vllm-sidecar")
+    assert {"lorafleet-operator", "lorafleet-sync", "lorafleet-vllm-sidecar", "kopf", "boto3"} <= closure
     bad = sorted(n for n in closure if FORBIDDEN_IN_OPERATOR.match(n))
     assert not bad, f"the operator image would install {bad}"
     # ... and the worker closure does hold torch, so the check above can fail.

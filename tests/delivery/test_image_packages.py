@@ -46,9 +46,9 @@ class Image:
 IMAGES = {
     "operator": Image(
         "operator",
-        ("jobs", "operator"),
-        ("lorafleet_sync", "lorafleet_operator", "lorafleet_router"),
-        ("lorafleet-operator", "lorafleet-router", "lorafleet-sync"),
+        ("jobs", "operator", "sidecar"),
+        ("lorafleet_sync", "lorafleet_operator", "lorafleet_router", "lorafleet_sidecar"),
+        ("lorafleet-operator", "lorafleet-router", "lorafleet-sync", "lorafleet-vllm-sidecar"),
     ),
     "worker": Image(
         "worker",
