@@ -100,6 +100,17 @@ def test_one_pool_per_worker_group_selects_its_pods_on_the_inference_port() -> N
         assert pool["metadata"]["annotations"]["lorafleet.dev/base-model-name"] == group["baseModelName"]
 
 
+def test_vllm_worker_groups_get_pools_too() -> None:
+    vllm = {"name": "vq", "baseModelName": "Qwen/Qwen3-0.6B", "model": {"path": "Qwen/Qwen3-0.6B"}}
+    docs = template({"workers": WORKERS[:1], "vllmWorkers": [vllm], "inferencePool": {"enabled": True}})
+    pool = one(docs, "InferencePool", "lf-lorafleet-vq")
+    deployment = one(docs, "Deployment", "lf-lorafleet-vllm-vq")
+    assert pool["spec"]["selector"] == {"matchLabels": deployment["spec"]["selector"]["matchLabels"]}
+    (vllm_container,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm"]
+    assert {"number": vllm_container["ports"][0]["containerPort"]} == pool["spec"]["targetPorts"][0]
+    assert violations(pool, pool_schema()) == []
+
+
 def test_endpoint_picker_values() -> None:
     picker = {"name": "my-epp", "port": 9010, "failureMode": "FailOpen", "group": "", "kind": "Service"}
     values = {"workers": WORKERS[:1], "inferencePool": {"enabled": True, "appProtocol": "kubernetes.io/h2c",
