@@ -275,6 +275,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "router-flags": script_flags("lorafleet-router"),
     "worker-flags": script_flags("lorafleet-worker", "serve"),
     "sync-flags": script_flags("lorafleet-sync"),
+    "sidecar-flags": script_flags("lorafleet-vllm-sidecar"),
     "chart-values": chart_values,
     "make-targets": make_targets,
 }

@@ -103,7 +103,9 @@ def test_no_work_history(page: Path) -> None:
     assert not hits, hits
 
 
-SOURCES = ["worker", "operator", "jobs", "devcluster", "tools", "charts", "mk", "Makefile", "Dockerfile.worker"]
+SOURCES = [
+    "worker", "operator", "jobs", "sidecar", "devcluster", "tools", "charts", "mk", "Makefile", "Dockerfile.worker"
+]  # fmt: skip
 ENV = re.compile(r"\b(?:LORAFLEET|DYN)_[A-Z0-9_]+\b")
 
 
