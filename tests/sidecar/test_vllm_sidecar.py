@@ -243,3 +243,31 @@ async def test_admin_token_and_no_catalogue(tmp_path: Path) -> None:
         await p.client.close()
         await p.adapters.vllm.close()
         await p.server.close()
+
+
+async def test_the_operators_worker_client_manages_a_vllm_pod(pod: Pod) -> None:
+    """The operator's own client (lorafleet_operator.workers) needs nothing new for a vLLM pod."""
+    from lorafleet_operator.workers import CatalogUnsupported, WorkerClient, WorkerError
+
+    v1, v2 = make_adapter(pod.root, "v1"), make_adapter(pod.root, "v2")
+    address = str(pod.client.make_url("")).rstrip("/")
+    client = WorkerClient(attempts=1)
+    try:
+        assert (await client.load(address, "org/a", v1))["lora_id"] == lora_id("org/a")
+        await client.load(address, "org/a", v2)  # hot swap
+        inventory = await client.inventory(address)
+        assert (inventory.names, inventory.capacity, inventory.on_demand) == ({"org/a"}, 2, frozenset())
+        with pytest.raises(CatalogUnsupported):
+            await client.put_catalog(address, [("org/a", v2)])
+        with pytest.raises(WorkerError) as invalid:
+            await client.load(address, "big", make_adapter(pod.root, "big", rank=64))
+        assert invalid.value.invalid
+        await client.load(address, "b", v1)
+        with pytest.raises(WorkerError) as full:
+            await client.load(address, "c", v1)
+        assert full.value.full
+        assert await client.unload(address, "org/a") is True
+        assert await client.unload(address, "org/a") is False
+        assert await client.list(address) == {"b"}
+    finally:
+        await client.close()
