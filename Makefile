@@ -44,9 +44,9 @@ test: setup  ## run every test (unit, integration, e2e)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 # Tests that need neither the Go-built cluster tools nor MinIO (a quick loop while editing).
-UNIT_TESTS := tests/worker tests/operator tests/kernels tests/delivery/test_dockerfiles.py tests/delivery/test_lock.py \
-	tests/delivery/test_image_packages.py
-test-unit: setup-python  ## the tests that need no cluster tools or MinIO (worker, operator units, kernels, images' packages, locks)
+UNIT_TESTS := tests/worker tests/operator tests/kernels tests/sidecar/test_vllm_sidecar.py tests/delivery/test_dockerfiles.py \
+	tests/delivery/test_lock.py tests/delivery/test_image_packages.py
+test-unit: setup-python  ## the tests that need no cluster tools or MinIO (worker, operator units, kernels, vLLM sidecar, images' packages, locks)
 	$(PY) -m pytest $(UNIT_TESTS) $(PYTEST_ARGS)
 
 lint: setup-python  ## ruff and mypy
