@@ -115,3 +115,12 @@ def test_without_a_volume_a_relative_path_is_a_hub_id_and_cpu_asks_no_gpu() -> N
     vllm = by_name(one(template({"vllmWorkers": [group]}), "Deployment", "lf-lorafleet-vllm-hub"))["vllm"]
     assert vllm["args"][0] == BASE
     assert "nvidia.com/gpu" not in (vllm.get("resources", {}).get("limits") or {})
+
+
+def test_listen_on_pod_ip_binds_both_servers_there() -> None:
+    dep = one(
+        template({"vllmWorkers": [VLLM_GROUP], "listenOnPodIP": True}), "Deployment", "lf-lorafleet-vllm-smol-vllm"
+    )
+    vllm, sidecar = by_name(dep)["vllm"], by_name(dep)["lorafleet-sidecar"]
+    assert "--host=$(POD_IP)" in vllm["args"] and "--host=$(POD_IP)" in sidecar["args"]
+    assert "--vllm-url=http://$(POD_IP):8000" in sidecar["args"]
