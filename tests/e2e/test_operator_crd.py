@@ -152,6 +152,18 @@ def test_scale_to_zero_is_accepted_and_its_duration_checked(cluster: TestCluster
         assert out.returncode != 0 and "scaleToZeroAfter must be seconds" in out.stderr, out.stderr
 
 
+def test_credentials_secret_ref_is_accepted_and_its_name_checked(cluster: TestCluster, ns: str) -> None:
+    manifest = lora("creds")
+    manifest["spec"]["source"] = {"uri": "hf://org/private", "credentialsSecretRef": {"name": "team-hf"}}
+    out = apply(cluster, ns, manifest)
+    assert out.returncode == 0, out.stderr
+    spec = cluster.get(f"/apis/nvidia.com/v1beta1/namespaces/{ns}/dynamomodels/creds")["spec"]
+    assert spec["source"]["credentialsSecretRef"] == {"name": "team-hf"}
+    manifest["spec"]["source"]["credentialsSecretRef"] = {"name": "Team_HF"}
+    out = apply(cluster, ns, manifest)
+    assert out.returncode != 0 and "credentialsSecretRef.name" in out.stderr, out.stderr
+
+
 def test_base_model_and_type_are_immutable(cluster: TestCluster, ns: str) -> None:
     assert apply(cluster, ns, lora("immutable")).returncode == 0
     for patch, field in (({"baseModelName": "other/model"}, "baseModelName"), ({"modelType": "base"}, "modelType")):

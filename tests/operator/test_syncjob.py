@@ -75,10 +75,13 @@ class Kube:
         self.secrets: dict[str, dict] = {}  # "namespace/name" -> Secret
         self.deleted: list[str] = []
         self.job_gets = 0
+        self.pods: list[dict] = []  # the sync Jobs' pods
+        self.secret_reads: list[str] = []
 
     async def get(self, path: str) -> dict | None:
         self.job_gets += "/jobs/" in path
         if "/secrets/" in path:
+            self.secret_reads.append(path)
             parts = path.split("/")
             return self.secrets.get(f"{parts[4]}/{parts[6]}")
         return self.jobs.get(path.rsplit("/", 1)[1])
@@ -96,6 +99,9 @@ class Kube:
         self.jobs.pop(name, None)
 
     async def request(self, method: str, path: str, params: dict | None = None) -> dict:
+        if path.endswith("/pods"):
+            job = (params or {})["labelSelector"].removeprefix("job-name=")
+            return {"items": [p for p in self.pods if p["metadata"]["labels"]["job-name"] == job]}
         return {"items": list(self.jobs.values())}
 
 
@@ -170,3 +176,32 @@ async def test_private_repo_resolves_with_the_token_secret_and_a_moved_branch_sy
         assert kube.deleted == [ok.job_name]  # the older commit's Job
     finally:
         hub.stop()
+
+
+async def test_per_model_credentials_reach_the_job_and_a_missing_secret_is_a_clear_condition() -> None:
+    from lorafleet_operator import status as st
+
+    kube = Kube()
+    jobs = SyncJobs(kube, settings(), HfSettings("http://hub", None))  # type: ignore[arg-type]
+    pinned = dataclasses.replace(model(f"hf://org/private@{SHA}"), credentials_secret="team-hf")
+    source = HfURI("org", "private", SHA)
+    first = await jobs.ensure(pinned, source)
+    assert first.state == "running" and first.reason == ""
+    job = kube.jobs[first.job_name]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["envFrom"] == [{"secretRef": {"name": "team-hf"}}]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "team-hf", "key": "HF_TOKEN", "optional": True}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "store-creds"  # the store's own
+    assert "envFrom" not in job_manifest(model(), HfURI("org", "repo", "main"), SHA, settings())["spec"][
+        "template"]["spec"]["containers"][0]  # fmt: skip
+    # the kubelet cannot start the pod without the Secret: the condition says which Secret, where
+    waiting = {"reason": "CreateContainerConfigError", "message": 'secret "team-hf" not found'}
+    kube.pods.append({"metadata": {"labels": {"job-name": first.job_name}},
+                      "status": {"containerStatuses": [{"name": "sync", "state": {"waiting": waiting}}]}})  # fmt: skip
+    missing = await jobs.ensure(pinned, source)
+    assert missing.state == "running" and missing.reason == st.CREDENTIALS_MISSING
+    assert "team-hf" in missing.message and "namespace ns" in missing.message
+    assert not any("team-hf" in path for path in kube.secret_reads)  # never read, so never logged
+    kube.pods[0]["status"] = {"containerStatuses": [{"name": "sync", "state": {"running": {}}}]}  # it appeared
+    assert (await jobs.ensure(pinned, source)).reason == ""

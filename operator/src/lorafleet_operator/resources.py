@@ -68,6 +68,7 @@ class Model:
     uri: str | None = None
     replicas: int | None = None
     autoscaling: Mapping[str, Any] | None = None  # spec.autoscaling (lorafleet extension)
+    credentials_secret: str | None = None  # spec.source.credentialsSecretRef.name (lorafleet extension)
     status: Mapping[str, Any] = field(default_factory=dict)
     deleting: bool = False
     created: str = ""  # metadata.creationTimestamp (RFC 3339, sorts chronologically)
@@ -86,6 +87,7 @@ class Model:
             uri=(spec.get("source") or {}).get("uri"),
             replicas=spec.get("replicas"),
             autoscaling=spec.get("autoscaling") or None,
+            credentials_secret=((spec.get("source") or {}).get("credentialsSecretRef") or {}).get("name") or None,
             status=dict(body.get("status") or {}),
             deleting=bool(meta.get("deletionTimestamp")),
             created=str(meta.get("creationTimestamp") or ""),

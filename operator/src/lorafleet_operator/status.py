@@ -32,6 +32,7 @@ SYNC_JOB_RUNNING = "SyncJobRunning"
 SYNC_JOB_RETRYING = "SyncJobRetrying"  # running, after failed pods (retryable errors: the source is unreachable)
 SYNC_SUCCEEDED = "SyncSucceeded"
 SYNC_FAILED = "SyncFailed"
+CREDENTIALS_MISSING = "CredentialsSecretMissing"  # spec.source.credentialsSecretRef names no Secret (yet)
 INVALID_SOURCE = "InvalidSource"
 RESOLVE_FAILED = "RevisionResolveFailed"
 ALL_LOADED = "AllEndpointsLoaded"

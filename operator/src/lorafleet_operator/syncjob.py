@@ -20,6 +20,15 @@ the TTL removed is not recreated. A failed Job is deleted and created again afte
 ``retry_base·2^(attempt-1)`` seconds (capped by ``--retry-max`` ×60); the Synced message says
 when. A branch or tag is re-resolved every ``--revision-interval`` seconds; a new commit makes
 a new Job and, once it completes, a hot swap (the old version serves meanwhile).
+
+Per-model credentials: ``spec.source.credentialsSecretRef`` names a Secret of the DynamoModel's
+namespace whose keys the sync Job gets as environment (``envFrom``; its ``HF_TOKEN`` replaces the
+operator-wide token, the store's keys stay the store's). The operator never reads that Secret:
+while it is missing, the Job's pod cannot start (the kubelet says so in the container's waiting
+state, which the operator reads from the pod) and the model shows ``Synced=False`` reason
+``CredentialsSecretMissing``; the Job starts by itself once the Secret exists. Branches are still
+resolved with the operator's own token; a repository only the model's token can read needs a
+source pinned to a commit.
 """
 
 from __future__ import annotations
@@ -98,8 +107,9 @@ def job_manifest(model: Model, source: HfURI, sha: str, settings: OperatorSettin
         ]
     if settings.hf_endpoint:
         env.append({"name": "HF_ENDPOINT", "value": settings.hf_endpoint})
-    if settings.hf_token_secret:
-        ref = {"name": settings.hf_token_secret, "key": "HF_TOKEN", "optional": True}
+    token_secret = model.credentials_secret or settings.hf_token_secret  # the model's own token wins
+    if token_secret:
+        ref = {"name": token_secret, "key": "HF_TOKEN", "optional": True}
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -124,6 +134,8 @@ def job_manifest(model: Model, source: HfURI, sha: str, settings: OperatorSettin
         ],
         "volumes": [{"name": "tmp", "emptyDir": {}}],
     }
+    if model.credentials_secret:  # every key of the model's Secret (env above wins for the same names)
+        pod_spec["containers"][0]["envFrom"] = [{"secretRef": {"name": model.credentials_secret}}]
     if settings.sync_service_account:
         pod_spec["serviceAccountName"] = settings.sync_service_account
     if settings.image_pull_secrets:
@@ -243,6 +255,8 @@ class SyncJobs:
         self._seen[name] = state
         if state == "failed":
             return await self._failed(model, source, sha, path, job, message)
+        if state == "running" and model.credentials_secret and (missing := await self._secret_missing(model, name)):
+            return SyncResult(state, name, None, sha, missing, reason=st.CREDENTIALS_MISSING, retry_after=recheck)
         retrying = state == "running" and bool((job.get("status") or {}).get("failed"))
         return SyncResult(state, name, resolved if state == "succeeded" else None, sha, message,
                           reason=st.SYNC_JOB_RETRYING if retrying else "", retry_after=recheck)  # fmt: skip
@@ -280,6 +294,21 @@ class SyncJobs:
             self._jobs[(model.namespace, name)] = job
         await self._delete_stale(model, path, name)
         return job
+
+    async def _secret_missing(self, model: Model, job: str) -> str | None:
+        """A message when the Job's pod waits for the Secret ``spec.source.credentialsSecretRef`` names
+        (the kubelet's CreateContainerConfigError); None otherwise. The Secret itself is never read."""
+        secret = model.credentials_secret
+        path = f"/api/v1/namespaces/{model.namespace}/pods"
+        pods = await self.kube.request("GET", path, params={"labelSelector": f"job-name={job}"})
+        for pod in pods.get("items") or []:
+            for container in (pod.get("status") or {}).get("containerStatuses") or []:
+                waiting = (container.get("state") or {}).get("waiting") or {}
+                config_error = waiting.get("reason") == "CreateContainerConfigError"
+                if config_error and f'"{secret}"' in str(waiting.get("message")):
+                    return (f"Secret {secret} (spec.source.credentialsSecretRef) not found in namespace "
+                            f"{model.namespace}; sync Job {job} starts once it exists")  # fmt: skip
+        return None
 
     async def _revision(self, source: HfURI) -> str:
         """The commit of ``source``: itself when pinned, else resolved (again every revision interval)."""
