@@ -234,6 +234,18 @@ def test_chat_reasoning_content_through_the_openai_client(
     assert hidden.message.content == expected[1]
 
 
+def test_responses_carry_the_reasoning_as_a_reasoning_item(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"model": "tiny-llama", "max_tokens": 8, "temperature": 0}
+    chat = client.chat.completions.create(messages=MESSAGES, **kw).choices[0].message
+    thought = (chat.model_extra or {}).get("reasoning_content")
+    out = client.responses.create(
+        model="tiny-llama", instructions="Be brief.", input="Tell a story.", max_output_tokens=8, temperature=0
+    )
+    reasoning = [item for item in out.output if item.type == "reasoning"]
+    assert [c.text for item in reasoning for c in item.content or []] == ([thought] if thought else [])
+    assert out.output_text == (chat.content or "")
+
+
 # --- prompt_logprobs ----------------------------------------------------------------------------------------
 
 
