@@ -1,7 +1,7 @@
 # Benchmarks: they report, they never fail CI. Results go to bench/*.json, bench/REPORT.md and PNGs (bench/README.md).
 # LORAFLEET_BENCH_SMOKE=1 runs any of them on a ~1M-parameter model and writes to bench/smoke/ instead.
 # BENCH_ENGINE_ARGS narrows the engine run, e.g. BENCH_ENGINE_ARGS="--concurrency 1 8 32 --scenarios base mixed16".
-.PHONY: bench bench-prefix bench-engine bench-structured bench-dtype bench-loading bench-placement bench-operator bench-report bench-profile bench-micro bench-smoke
+.PHONY: bench bench-prefix bench-engine bench-structured bench-spec bench-dtype bench-loading bench-placement bench-operator bench-report bench-profile bench-micro bench-smoke
 
 BENCH_ENGINE_ARGS ?=
 BENCH_PROFILE_ARGS ?= --scenario mixed16 --concurrency 32
@@ -20,6 +20,9 @@ bench-dtype: setup-python  ## fp32 vs bf16 on this CPU, base and real model, con
 
 bench-structured: setup-python  ## JSON-schema workload vs the same prompts unconstrained (c=32), mask and compile times
 	$(PY) bench/bench_structured.py
+
+bench-spec: setup-python  ## n-gram speculative decoding and jump-forward on/off, interleaved: one user (grounded, JSON), c=32
+	$(PY) bench/bench_spec.py
 
 bench-loading: setup  ## adapter load latency: cold (MinIO), warm (disk), hot (CPU -> slot)
 	$(PY) bench/bench_loading.py
