@@ -98,29 +98,14 @@ def test_response_events_accumulate_like_the_openai_client() -> None:
     assert final.usage is not None and final.usage.total_tokens == 8
 
 
-async def test_lora_modules_paths_become_source_uris(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--lora-modules loads after the model: a relative path as a local directory, a URI as it is."""
-    from types import SimpleNamespace
+def test_lora_modules_paths_become_source_uris(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--lora-modules: a relative path is a local directory under the working directory, a URI stays as it is."""
+    from lorafleet_worker.service import lora_module_uri
 
-    from lorafleet_worker.api.app import start_service
-    from lorafleet_worker.settings import LoRAModule
-
-    loads: list[tuple[str, str]] = []
-
-    async def start() -> None:
-        loads.append(("<model>", ""))
-
-    async def load_adapter(name: str, uri: str) -> Any:
-        loads.append((name, uri))
-        return SimpleNamespace(message=f"{name} loaded")
-
-    modules = (LoRAModule("a", "adapters/a"), LoRAModule("b", "s3://bucket/b", "base"))
-    service: Any = SimpleNamespace(
-        settings=SimpleNamespace(lora_modules=modules), start=start, load_adapter=load_adapter
-    )
     monkeypatch.chdir(tmp_path)
-    await start_service(service)
-    assert loads == [("<model>", ""), ("a", f"file://{tmp_path}/adapters/a"), ("b", "s3://bucket/b")]
+    assert lora_module_uri("adapters/a") == f"file://{tmp_path}/adapters/a"
+    assert lora_module_uri(str(tmp_path / "b")) == f"file://{tmp_path}/b"
+    assert lora_module_uri("s3://bucket/b") == "s3://bucket/b"
 
 
 # --- a worker with --reasoning-parser and --lora-modules -------------------------------------------------
@@ -151,7 +136,7 @@ def client(worker: Worker) -> Iterator[openai.OpenAI]:
 
 
 def test_lora_modules_are_loaded_at_start(worker: Worker, client: openai.OpenAI) -> None:
-    assert set(worker.loras()) == {"pre", "pre/json"}
+    assert set(worker.loras()) == {"pre", "pre/json"}  # already when /ready first answered (start_worker waits)
     models = {m.id: m for m in client.models.list()}
     assert (models["pre"].model_extra or {}).get("parent") == "tiny-llama"
     kw: dict[str, Any] = {"prompt": "Once upon", "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}

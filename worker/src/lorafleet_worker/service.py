@@ -100,6 +100,7 @@ class WorkerService:
         self._recent: OrderedDict[str, None] = OrderedDict()  # held adapters, least recently used first
         self._loading: set[str] = set()  # names being fetched and loaded (they count against the capacity)
         self._flights: dict[str, asyncio.Future[None]] = {}  # on-demand loads in progress, by name
+        self._started = False  # `start` has loaded the model and the --lora-modules adapters
         self.metrics.max_loras.set(settings.max_loras)
         self.metrics.max_cpu_loras.set(settings.max_cpu_loras)
         self.metrics.loras_registered.set_function(lambda: len(self.adapter_uris()))
@@ -108,8 +109,8 @@ class WorkerService:
 
     @property
     def ready(self) -> bool:
-        """Model loaded and the engine's step loop alive and making progress."""
-        return self._engine is not None and self.unhealthy() is None
+        """Model and `--lora-modules` loaded, and the engine's step loop alive and making progress."""
+        return self._started and self._engine is not None and self.unhealthy() is None
 
     def unhealthy(self) -> str | None:
         """Why the worker should be restarted, or None: its engine loop died, or made no progress for
@@ -126,7 +127,8 @@ class WorkerService:
         return None
 
     async def start(self) -> None:
-        """Load tokenizer and model (off the event loop), then start the engine's step loop."""
+        """Load tokenizer and model (off the event loop), start the engine's step loop, then load the
+        `--lora-modules` adapters (a relative path is a local directory); ready after all of them."""
         s = self.settings
         t0 = time.monotonic()
         log.info("loading model %s from %s (device=%s, dtype=%s)", self.model_name, s.model_dir, s.device, s.dtype)
@@ -149,11 +151,16 @@ class WorkerService:
             cache_config={"block_size": str(kv.block_size), "num_gpu_blocks": str(kv.num_blocks)},
         )
         self._tokenizer, self._engine = tokenizer, engine
+        for module in s.lora_modules:  # as in vLLM: one that cannot be loaded fails the start
+            result = await self.load_adapter(module.name, lora_module_uri(module.path))
+            log.info("--lora-modules: %s", result.message)
+        self._started = True
         self.metrics.ready.set(1)
         log.info("model %s ready in %.1fs", self.model_name, time.monotonic() - t0)
         log.info(huge_pages.describe(os.environ, huge_pages.kernel_mode(), huge_pages.huge_bytes()))
 
     async def stop(self) -> None:
+        self._started = False
         engine, self._engine = self._engine, None
         self.metrics.ready.set(0)
         if engine is not None:
@@ -500,6 +507,12 @@ def path_to_uri(lora_path: str) -> str:
     if not Path(lora_path).is_absolute():
         raise APIError(400, f"lora_path must be an absolute path or a URI, got {lora_path!r}", param="lora_path")
     return "file://" + quote(lora_path)
+
+
+def lora_module_uri(path: str) -> str:
+    """A `--lora-modules` path -> its source URI: a URI as it is, a local directory (relative: to the working
+    directory) as a file URI."""
+    return path_to_uri(path if "://" in path else str(Path(path).resolve()))
 
 
 def _manager_stats(engine: Engine) -> Any:

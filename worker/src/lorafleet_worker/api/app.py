@@ -7,14 +7,13 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import uvicorn
 
 from lorafleet_worker.api.auth import with_api_key
 from lorafleet_worker.api.inference import build_inference_app
 from lorafleet_worker.api.management import build_management_app
-from lorafleet_worker.service import WorkerService, WorkerSettings, path_to_uri
+from lorafleet_worker.service import WorkerService, WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +30,6 @@ def http_server(app: object, host: str, port: int) -> uvicorn.Server:
     """A uvicorn server for `app` that leaves signal handling to its caller (`await server.serve()`)."""
     config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="off")  # type: ignore[arg-type]
     return _Server(config)
-
-
-async def start_service(service: WorkerService) -> None:
-    """Load the model, then the `--lora-modules` adapters (a relative path is a local directory; one that cannot
-    be loaded fails the start, as in vLLM)."""
-    await service.start()
-    for module in service.settings.lora_modules:
-        path = module.path if "://" in module.path else str(Path(module.path).resolve())
-        result = await service.load_adapter(module.name, path_to_uri(path))
-        log.info("--lora-modules: %s", result.message)
 
 
 async def run_worker(settings: WorkerSettings) -> int:
@@ -63,7 +52,7 @@ async def run_worker(settings: WorkerSettings) -> int:
         loop.add_signal_handler(sig, on_signal)
 
     serving = [asyncio.create_task(s.serve()) for s in servers]
-    starting = asyncio.create_task(start_service(service))
+    starting = asyncio.create_task(service.start())
     stopping = asyncio.create_task(stop.wait())
     log.info(
         "serving %s: inference on http://%s:%d, management on http://%s:%d",
@@ -78,7 +67,7 @@ async def run_worker(settings: WorkerSettings) -> int:
     while not stopping.done():
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         if starting in done and starting.exception() is not None:
-            log.error("the model could not be loaded: %s", starting.exception())
+            log.error("the worker could not start (model or --lora-modules): %s", starting.exception())
             exit_code = 1
             break
         if any(t in done for t in serving):
