@@ -258,13 +258,21 @@ async def test_router_retries_a_dead_endpoint(env: Env) -> None:
 
 
 async def test_router_waits_for_a_re_placed_adapter(env: Env) -> None:
-    """All holders gone at once (e.g. scale-down): the request waits for the new holders instead of failing."""
+    """All holders gone at once (e.g. scale-down): a request for an adapter not in the workers'
+    catalogues (no served version) waits for the new holders instead of failing; a catalogued one
+    goes to its rendezvous pod at once."""
     body = env.objects[("ns", "b")]
-    env.table.on_model("MODIFIED", {**body, "status": {**body["status"], "endpoints": []}})
+    status = {k: v for k, v in body["status"].items() if k != "servedUri"}
+    env.table.on_model("MODIFIED", {**body, "status": {**status, "endpoints": []}})
     asyncio.get_running_loop().call_later(1.0, env.table.on_model, "MODIFIED", body)
     started = time.monotonic()
     assert await env.text("org/adapter-b")
     assert time.monotonic() - started >= 0.9
+    env.table.on_model("MODIFIED", {**body, "status": {**body["status"], "endpoints": []}})
+    try:  # still no endpoint (a wait would end in a 503 after --router-unavailable-wait): the rendezvous pod
+        assert await env.text("org/adapter-b")
+    finally:
+        env.table.on_model("MODIFIED", body)
 
 
 async def test_least_inflight_spreads_concurrent_requests(env: Env) -> None:
@@ -398,3 +406,47 @@ async def test_metrics_record_reconciles_calls_and_churn(env: Env) -> None:
     assert sample("lorafleet_operator_models", phase="Ready") >= 1
     assert sample("lorafleet_router_requests_total", kind="adapter", code="200") > 0
     assert sample("lorafleet_router_requests_total", kind="unknown", code="404") >= 1
+
+
+async def test_scale_to_zero_and_back_on_demand_through_the_router(env: Env) -> None:
+    """minReplicas 0 against real workers: at zero no worker holds the adapter; the catalogue the
+    operator pushed lets the router's rendezvous pod load it on demand for the first request (the
+    same answer as the same weights under another name), and scaling back up pins it there."""
+    import httpx
+    from lorafleet_operator.placement import rank
+
+    weights = env.status("a")["servedUri"]  # org/zero: the same weights as org/adapter-a, under another name
+    env.apply("z", "org/zero", weights,
+              autoscaling={"minReplicas": 0, "maxReplicas": 2, "target": 1, "scaleToZeroAfter": 0})  # fmt: skip
+    await eventually(lambda: env.phase("z") == "Ready", what="z loaded once")
+    pods = [w.name for w in env.fleet.workers]
+    await eventually(
+        lambda: all(
+            ["org/zero", weights] in [[e["lora_name"], e["source"]["uri"]] for e in
+            httpx.get(f"{w.mgmt}/v1/loras/catalog", timeout=10).json()["adapters"]]
+            for w in env.fleet.workers
+        ),
+        what="org/zero in every worker's catalogue",
+    )  # fmt: skip
+    key = ("ns", "z")
+    scaler = env.runtime.reconciler.autoscaler
+    model = env.runtime.index.get(key)
+    assert model is not None and scaler.observe(model, 0.0)  # no demand, scaleToZeroAfter 0
+    env.runtime.queue.add(key)
+    await eventually(lambda: env.phase("z") == "ScaledToZero", what="z at zero")
+    await eventually(lambda: env.holders("org/zero") == set(), what="every copy unloaded")
+
+    expected = await env.text("org/adapter-a")
+    assert await env.text("org/zero") == expected  # loaded on demand, by the rendezvous pod
+    rendezvous = rank("org/zero", pods)[0]
+    assert env.holders("org/zero") == {rendezvous}
+    (worker,) = [w for w in env.fleet.workers if w.name == rendezvous]
+    assert httpx.get(f"{worker.mgmt}/v1/loras", timeout=10).json()["pinned"]["org/zero"] is False
+
+    model = env.runtime.index.get(key)
+    assert model is not None and scaler.observe(model, 0.5)  # the request's demand: back to one replica
+    env.runtime.queue.add(key)
+    await eventually(lambda: env.phase("z") == "Ready", what="z back")
+    assert env.status("z")["placement"] == [rendezvous] and env.holders("org/zero") == {rendezvous}
+    assert httpx.get(f"{worker.mgmt}/v1/loras", timeout=10).json()["pinned"]["org/zero"] is True
+    assert await env.text("org/zero") == expected
