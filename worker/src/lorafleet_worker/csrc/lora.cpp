@@ -14,8 +14,9 @@
 // CPU with AVX512-BF16 the shrink's tiles multiply bfloat16 pairs (`vdpbf16ps`, x and A read as they are). A
 // segment of one or two tokens reads each A row once for both tokens and takes two-token expand loops with each
 // B row widened once for both tokens. A step whose every segment is one token (one user's decode) skips the work
-// lists: `run_tokens`, 1-token tiles on the calling thread (AVX2 + FMA). Only each adapter's own rank is read (no max-rank padding), slices of rank
-// 0 are skipped, x rows are read in place through the step's row list (no gather, no scatter).
+// lists: `run_tokens`, 1-token tiles on the calling thread (AVX2 + FMA), B streamed row by row. Only each
+// adapter's own rank is read (no max-rank padding), slices of rank 0 are skipped, x rows are read in place
+// through the step's row list (no gather, no scatter).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -138,16 +139,17 @@ inline int64_t expand_tile(const float* coef, int64_t R, const T* b, int64_t bs,
 #ifdef LF_AVX2
 // Steps whose every segment is one token (a one-user decode, or each adapter's single decode row): per segment
 // and slice the shrink in tiles of 4 rank rows against the token's widened row (no token repeated to fill a tile),
-// then the expand added straight into the token's output row, 64 columns held in registers over the whole rank.
-// On the calling thread, with no work lists and no buffers beyond the widened row and the rank's coefficients.
+// then the expand: B's rank rows read front to back into float sums, added to the token's output row once.
+// On the calling thread, with no work lists; its buffers (the widened row, coefficients, sums) are reused.
 template <typename T>
 void run_tokens(const T* xp, int64_t xs, T* op, int64_t os, const T* ap, int64_t as_slot, int64_t as_slice,
                 int64_t as_rank, const T* bp, int64_t bs_slot, int64_t bs_rank, const int32_t* rk, int64_t rs_slot,
                 const float* sc, int64_t ss_slot, const std::vector<int64_t>& offs, const int32_t* rp,
                 const std::vector<Seg>& segs, int64_t n_slices, int64_t K, int64_t R) {
-  thread_local std::vector<float> xbuf, coef;
+  thread_local std::vector<float> xbuf, coef, accbuf;
   xbuf.resize(static_cast<size_t>(K));
   coef.resize(static_cast<size_t>(R));
+  accbuf.resize(static_cast<size_t>(offs.back()));
   for (const Seg& sg : segs) {
     if (sg.end == sg.start) continue;
     const int64_t row = rp[sg.start];
@@ -164,19 +166,33 @@ void run_tokens(const T* xp, int64_t xs, T* op, int64_t os, const T* ap, int64_t
         dot_tile<T, 1, 4, 2>(&xr, a, K, sums);
         for (int64_t i = 0; i < std::min<int64_t>(4, r - j); ++i) coef[j + i] = scale * sums[i];
       }
-      const int64_t nc = offs[s + 1] - offs[s];
+      // the expand reads B's rank rows front to back, 4 at a time (4 sequential streams), into float sums
+      const int64_t nc = offs[s + 1] - offs[s], n8 = nc & ~int64_t{7};
       T* o = op + row * os + offs[s];
       const T* b = bp + sg.slot * bs_slot + offs[s];
-      int64_t done = expand_tile<T, 1, 8>(coef.data(), R, b, bs_rank, r, &o, nc);
-      if (done < nc) {
-        T* rest = o + done;
-        done += expand_tile<T, 1, 1>(coef.data(), R, b + done, bs_rank, r, &rest, nc - done);
+      float* acc = accbuf.data();
+      std::fill(acc, acc + nc, 0.f);
+      for (int64_t j = 0; j < r; j += 4) {  // rows past r repeat row r - 1 with a zero coefficient
+        const T* b0 = b + j * bs_rank;
+        const T* b1 = b + std::min(j + 1, r - 1) * bs_rank;
+        const T* b2 = b + std::min(j + 2, r - 1) * bs_rank;
+        const T* b3 = b + std::min(j + 3, r - 1) * bs_rank;
+        const float c0 = coef[j], c1 = j + 1 < r ? coef[j + 1] : 0.f, c2 = j + 2 < r ? coef[j + 2] : 0.f,
+                    c3 = j + 3 < r ? coef[j + 3] : 0.f;
+        const __m256 v0 = _mm256_set1_ps(c0), v1 = _mm256_set1_ps(c1), v2 = _mm256_set1_ps(c2),
+                     v3 = _mm256_set1_ps(c3);
+        for (int64_t i = 0; i < n8; i += 8) {
+          __m256 a = _mm256_fmadd_ps(v0, load8(b0 + i), _mm256_loadu_ps(acc + i));
+          a = _mm256_fmadd_ps(v1, load8(b1 + i), a);
+          a = _mm256_fmadd_ps(v2, load8(b2 + i), a);
+          _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(v3, load8(b3 + i), a));
+        }
+        for (int64_t i = n8; i < nc; ++i)
+          acc[i] += c0 * to_float(b0[i]) + c1 * to_float(b1[i]) + c2 * to_float(b2[i]) + c3 * to_float(b3[i]);
       }
-      for (int64_t i = done; i < nc; ++i) {
-        float v = 0.f;
-        for (int64_t j = 0; j < r; ++j) v += coef[j] * to_float(b[j * bs_rank + i]);
-        o[i] = static_cast<T>(static_cast<float>(o[i]) + v);
-      }
+      int64_t i = 0;
+      for (; i < n8; i += 8) store8(o + i, _mm256_add_ps(load8(o + i), _mm256_loadu_ps(acc + i)));
+      for (; i < nc; ++i) o[i] = static_cast<T>(static_cast<float>(o[i]) + acc[i]);
     }
   }
 }
