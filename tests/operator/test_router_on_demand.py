@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from lorafleet_devcluster.nodeagent import AddressBlock
 from lorafleet_operator.placement import rank
+from lorafleet_operator.resources import ENGINE_LABEL
 from lorafleet_router.router import Router, RoutingTable
 
 from .conftest import INFER_PORT, REAL_BASE, pod_body
@@ -98,3 +99,15 @@ async def test_an_adapter_never_served_and_an_unknown_name_are_not_sent_on_deman
     assert resp.status == 503 and all(not held for held in fleet.held.values())
     resp = await fleet.client.post("/v1/completions", json={"model": "org/unknown", "prompt": "hi"})
     assert resp.status == 404 and (await resp.json())["error"]["code"] == "model_not_found"
+
+
+async def test_vllm_pods_are_not_rendezvous_pods(fleet: Fleet) -> None:
+    """A vLLM worker group's pod loads nothing on demand: the rendezvous skips it, however HRW ranks it."""
+    first = rank("org/idle", ["worker-0", "worker-1", "worker-2"])[0]
+    body = pod_body(first, fleet.table.pods[("ns", first)].ip, True, REAL_BASE)
+    body["metadata"]["labels"][ENGINE_LABEL] = "vllm"
+    fleet.table.on_pod("MODIFIED", body)
+    expected = rank("org/idle", [n for n in ("worker-0", "worker-1", "worker-2") if n != first])[0]
+    resp = await fleet.client.post("/v1/completions", json={"model": "org/idle", "prompt": "hi"})
+    assert resp.status == 200, await resp.text()
+    assert {pod for pod, held in fleet.held.items() if "org/idle" in held} == {expected}

@@ -14,6 +14,10 @@ from typing import Any
 
 from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
 
+# The engine a worker pod runs (the chart's label); "vllm" pods (vLLM worker groups) hold only what the
+# operator placed on them: they load nothing on demand.
+ENGINE_LABEL = "lorafleet.dev/engine"
+
 
 @dataclass(frozen=True, order=True)
 class Pod:
@@ -30,11 +34,13 @@ class Pod:
     ready: bool = False
     base_hash: str | None = None
     serving: bool = False
+    loads_on_demand: bool = True  # not a vLLM worker group's pod (ENGINE_LABEL)
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Pod:
         meta, status = body.get("metadata") or {}, body.get("status") or {}
         conditions = status.get("conditions") or []
+        labels = meta.get("labels") or {}
         serving = bool(
             status.get("phase") == "Running"
             and status.get("podIP")
@@ -46,8 +52,9 @@ class Pod:
             uid=meta.get("uid", ""),
             ip=status.get("podIP") or None,
             ready=serving and not meta.get("deletionTimestamp"),
-            base_hash=(meta.get("labels") or {}).get(BASE_MODEL_HASH_LABEL),
+            base_hash=labels.get(BASE_MODEL_HASH_LABEL),
             serving=serving,
+            loads_on_demand=labels.get(ENGINE_LABEL) != "vllm",
         )
 
     def address(self, port: int) -> str:

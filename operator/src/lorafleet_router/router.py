@@ -130,12 +130,14 @@ class RoutingTable:
 
     def rendezvous_endpoint(self, model: Model) -> list[str]:
         """A catalogued adapter's rendezvous pod (the first of its HRW order among the Ready pods of its
-        base model in its namespace), which loads it on demand; [] when it is not catalogued or no pod is Ready."""
+        base model in its namespace that load on demand: not vLLM's), which loads it on demand; [] when it is
+        not catalogued or no such pod is Ready."""
         if model.catalog_uri is None:
             return []
         pods = {
             p.name: p for p in self.pods.values()
             if p.namespace == model.namespace and p.base_hash == model.base_hash and p.ready and p.ip
+            and p.loads_on_demand
         }  # fmt: skip
         first = next(iter(rank(model.model_name, pods)), None)
         return [] if first is None else [self._url(str(pods[first].ip))]
