@@ -1,7 +1,7 @@
 # Benchmarks: they report, they never fail CI. Results go to bench/*.json, bench/REPORT.md and PNGs (bench/README.md).
 # LORAFLEET_BENCH_SMOKE=1 runs any of them on a ~1M-parameter model and writes to bench/smoke/ instead.
 # BENCH_ENGINE_ARGS narrows the engine run, e.g. BENCH_ENGINE_ARGS="--concurrency 1 8 32 --scenarios base mixed16".
-.PHONY: bench bench-prefix bench-engine bench-structured bench-spec bench-dtype bench-loading bench-placement bench-operator bench-report bench-profile bench-micro bench-smoke
+.PHONY: bench bench-prefix bench-engine bench-structured bench-spec bench-dtype bench-loading bench-on-demand bench-placement bench-operator bench-report bench-profile bench-micro bench-smoke
 
 BENCH_ENGINE_ARGS ?=
 BENCH_PROFILE_ARGS ?= --scenario mixed16 --concurrency 32
@@ -26,6 +26,11 @@ bench-spec: setup-python  ## n-gram speculative decoding and jump-forward on/off
 
 bench-loading: setup  ## adapter load latency: cold (MinIO), warm (disk), hot (CPU -> slot)
 	$(PY) bench/bench_loading.py
+
+BENCH_ON_DEMAND_ARGS ?=
+
+bench-on-demand: setup  ## TTFT of a request for an adapter not held (catalogue -> MinIO -> load) vs warm (BENCH_ON_DEMAND_ARGS)
+	$(PY) bench/bench_on_demand.py $(BENCH_ON_DEMAND_ARGS)
 
 bench-placement: setup-python  ## HRW placement: 10,000 adapters x 200 pods, incremental add
 	$(PY) bench/bench_placement.py
