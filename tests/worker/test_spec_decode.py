@@ -252,3 +252,20 @@ def test_metrics_carry_vllms_speculative_decoding_counters() -> None:
     off = WorkerMetrics()
     off.attach_engine(SchedulerStats, lambda: None, model_name="m", max_loras=0, cache_config={})
     assert "spec_decode" not in off.render().decode()  # speculation off: no series, as in vLLM
+
+
+async def test_prompt_logprobs_and_a_draft_on_the_last_prefill_chunk(make_engine: EngineFactory) -> None:
+    """A prompt prefilled in two chunks verifies a draft after its last chunk; its prompt logprobs, tokens and
+    logprobs are those of an engine without speculation."""
+    prompt = [5, 6, 7, 8, 9] * 8  # 40 tokens: two chunks of the 32-token budget
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=2)
+    outs = []
+    for kw in ({}, {"speculative_config": SPEC}):
+        engine = await make_engine(max_loras=0, **kw)
+        outs.append([o async for o in engine.generate("p", prompt, params)])
+    plain, spec = outs
+    assert [o.token_id for o in spec] == [o.token_id for o in plain]
+    assert spec[0].prompt_logprobs is not None and plain[0].prompt_logprobs is not None
+    for (a, ta), (b, tb) in zip(spec[0].prompt_logprobs, plain[0].prompt_logprobs, strict=True):
+        assert abs(a - b) < 1e-3 and ta.keys() == tb.keys()
+    assert engine.stats.spec_drafts > 0
