@@ -115,7 +115,7 @@ def load_times(work: Path) -> list[float]:
 
 def start_worker(model: Path, env: dict[str, str], work: Path, tag: str, max_loaded: int) -> Worker:
     """A worker with `--max-loaded-loras max_loaded`, its disk cache and log under `work`, ready."""
-    from lorafleet_worker_dev.launch import free_port, launch_worker, wait_ready
+    from lorafleet_worker_dev.launch import free_port, launch_worker, stop_worker, wait_ready
 
     port, system_port = free_port(HOST), free_port(HOST)
     env = {**env, "DYN_LORA_PATH": str(work / f"cache-{tag}"), "LORAFLEET_ADMIN_TOKEN": ""}
@@ -124,7 +124,11 @@ def start_worker(model: Path, env: dict[str, str], work: Path, tag: str, max_loa
         proc = launch_worker(model, name="base", host=HOST, port=port, system_port=system_port,
                              args=worker_args, env=env, log=log_file)  # fmt: skip
     worker = Worker(proc, f"http://{HOST}:{port}", f"http://{HOST}:{system_port}")
-    wait_ready(proc, worker.system_url)
+    try:
+        wait_ready(proc, worker.system_url)
+    except BaseException:
+        stop_worker(proc)
+        raise
     return worker
 
 
