@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--out", default="one_user_ab", help="bench/<out>.json")
     args = parser.parse_args()
+    if not (args.b / "worker" / "src" / "lorafleet_worker").is_dir():  # else B would silently run A's code
+        parser.error(f"--b {args.b}: no worker/src/lorafleet_worker there (a checkout or git worktree of lorafleet)")
     model = real_model()
     trained, _ = peers.trained_or_generated(model)
     workdir = Path(tempfile.mkdtemp(prefix="lorafleet-ab-"))
