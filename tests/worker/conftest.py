@@ -161,6 +161,21 @@ def start_worker(
     return worker
 
 
+def use_local_s3(env: pytest.MonkeyPatch, endpoint: str, fetch_deadline_s: float) -> None:
+    """Point the S3 client of workers started under `env` at `endpoint` (static test keys, no profile, config
+    file or instance metadata), with a short fetch deadline."""
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT", "AWS_PROFILE"):
+        env.delenv(name, raising=False)
+    env.setenv("AWS_ENDPOINT_URL", endpoint)
+    env.setenv("AWS_ALLOW_HTTP", "true")
+    env.setenv("AWS_ACCESS_KEY_ID", "test-access-key")
+    env.setenv("AWS_SECRET_ACCESS_KEY", "test-secret-key")
+    env.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    env.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    env.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    env.setenv("LORAFLEET_FETCH_DEADLINE_S", str(fetch_deadline_s))
+
+
 def stop_worker(worker: Worker) -> None:
     """SIGTERM, wait for a clean exit, SIGKILL only if it hangs."""
     stop_process(worker.proc)

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from lorafleet_worker_dev.launch import free_port
 
-from tests.worker.conftest import Worker, load_error, start_worker, stop_worker
+from tests.worker.conftest import Worker, load_error, start_worker, stop_worker, use_local_s3
 
 STORE_HOST = "127.0.0.1"
 FETCH_DEADLINE_S = 2.0
@@ -33,16 +33,7 @@ def store_port() -> int:
 def worker(tiny_models: Any, tmp_path_factory: pytest.TempPathFactory, store_port: int) -> Iterator[Worker]:
     """A worker with at most MAX_LOADED adapters, whose S3 endpoint is `store_port`, with a short fetch deadline."""
     with pytest.MonkeyPatch.context() as env:
-        for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT", "AWS_PROFILE"):
-            env.delenv(name, raising=False)
-        env.setenv("AWS_ENDPOINT_URL", f"http://{STORE_HOST}:{store_port}")
-        env.setenv("AWS_ALLOW_HTTP", "true")
-        env.setenv("AWS_ACCESS_KEY_ID", "test-access-key")
-        env.setenv("AWS_SECRET_ACCESS_KEY", "test-secret-key")
-        env.setenv("AWS_CONFIG_FILE", "/nonexistent")
-        env.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-        env.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        env.setenv("LORAFLEET_FETCH_DEADLINE_S", str(FETCH_DEADLINE_S))
+        use_local_s3(env, f"http://{STORE_HOST}:{store_port}", FETCH_DEADLINE_S)
         w = start_worker(
             tiny_models["llama"],
             tmp_path_factory.mktemp("store_errors_worker"),
