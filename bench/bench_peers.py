@@ -267,14 +267,16 @@ def start_llama(
 
 def start_vllm(
     model: Path, adapters: list[tuple[str, Path]], dtype: str, workdir: Path, tag: str, bind: str, threads: int,
-    kv_cache_gib: int, ctx: int = SLOT_CTX,
+    kv_cache_gib: int, ctx: int = SLOT_CTX, block_size: int | None = None,
 ) -> Server:  # fmt: skip
     """vLLM's OpenAI server on the first `threads` CPUs this process may use (its CPU affinity: what vLLM's `auto`
     binding chooses from), its threads placed as `bind` says."""
     from lorafleet_worker_dev.launch import free_port
 
     port = free_port("127.0.0.1")
-    cmd = vllm_server.server_command(model, adapters, port=port, dtype=dtype, max_num_seqs=32, max_model_len=ctx)
+    cmd = vllm_server.server_command(
+        model, adapters, port=port, dtype=dtype, max_num_seqs=32, max_model_len=ctx, block_size=block_size
+    )
     cpus = sorted(os.sched_getaffinity(0))[:threads]
     env = {**os.environ, **vllm_server.server_env(bind, cpus, kv_cache_gib)}
     log_path = workdir / f"vllm-{tag}-{bind}.log"
@@ -632,7 +634,7 @@ def server_starts(
         for bind in args.vllm_bind:
             starts[f"vllm/{bind}"] = functools.partial(
                 start_vllm, model, adapters, dtype, workdir, f"{precision}-{scenario}", bind, args.threads,
-                args.vllm_kv_cache_gib, ctx,
+                args.vllm_kv_cache_gib, ctx, args.vllm_block_size,
             )  # fmt: skip
     return starts
 
@@ -858,6 +860,9 @@ def main() -> None:
                         help="vLLM's OpenMP placements, each a server (default: %(default)s)")  # fmt: skip
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=vllm_server.KV_CACHE_GIB,
                         help="VLLM_CPU_KVCACHE_SPACE (default %(default)s GiB; 32 x 384 tokens need 0.3)")  # fmt: skip
+    parser.add_argument("--vllm-block-size", type=int, default=None, metavar="N",
+                        help="vLLM's --block-size: its KV blocks and prefix-cache granularity (default: vLLM's "
+                             "CPU default, 128 tokens; its CPU attention takes multiples of 32)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1, help="rounds per server, interleaved (default 1)")
     parser.add_argument("--paired", type=int, default=0, metavar="N",
                         help="all servers up, N alternating passes each, ratios per pair (default: off)")  # fmt: skip
@@ -889,7 +894,7 @@ def main() -> None:
         try:
             vllm_server.install()
             payload["vllm"] = {"version": vllm_server.VERSION, "binds": args.vllm_bind,
-                               "kv_cache_gib": args.vllm_kv_cache_gib,
+                               "kv_cache_gib": args.vllm_kv_cache_gib, "block_size": args.vllm_block_size,
                                "ld_preload": vllm_server.preloads()}  # fmt: skip
         except vllm_server.Unavailable as e:
             payload["vllm_skipped"] = str(e)

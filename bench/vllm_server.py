@@ -74,13 +74,18 @@ def server_command(
     dtype: str,
     max_num_seqs: int,
     max_model_len: int,
+    block_size: int | None = None,
     python: Path = PYTHON,
 ) -> list[str]:
     """`vllm serve` for `model` named `base`, with `adapters` preloaded by `--lora-modules name=path`, and prefix
-    caching (on by default in vLLM; named so the command says it)."""
+    caching (on by default in vLLM; named so the command says it). `block_size` sets `--block-size`, the KV
+    block and so the prefix cache's granularity (None: vLLM's CPU default, 128 tokens; its CPU attention takes
+    multiples of 32)."""
     cmd = [str(python), str(LAUNCHER), "serve", str(model), "--served-model-name", "base"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
     cmd += ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len), "--enable-prefix-caching"]
+    if block_size is not None:
+        cmd += ["--block-size", str(block_size)]
     cmd += ["--disable-uvicorn-access-log"]  # a log line per request would cost the frontend's core
     if adapters:
         cmd += ["--enable-lora", "--max-loras", str(len(adapters))]

@@ -221,6 +221,10 @@ def test_vllm_binds_auto_within_the_benchmarks_cpus_and_caches_prefixes(tmp_path
     assert vllm.DEFAULT_BINDS == ("auto", "cores")
     cmd = vllm.server_command(tmp_path, [], port=1, dtype="bfloat16", max_num_seqs=32, max_model_len=384)
     assert "--enable-prefix-caching" in cmd and cmd[cmd.index("--max-model-len") + 1] == "384"
+    assert "--block-size" not in cmd  # vLLM's own CPU default (128) unless asked
+    small = vllm.server_command(tmp_path, [], port=1, dtype="bfloat16", max_num_seqs=32, max_model_len=384,
+                                block_size=32)  # fmt: skip
+    assert small[small.index("--block-size") + 1] == "32"
 
 
 def test_the_bench_peers_command_line_names_its_workloads() -> None:
