@@ -824,7 +824,8 @@ def greedy_rates(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     and the rate; by pair too, since rounding differs by precision."""
     rates: dict[str, dict[str, Any]] = {}
     for r in results:
-        for system, rows in r.get("greedy_by_server", {}).items():
+        by_server = r.get("greedy_by_server") or ({"llama.cpp": r["greedy"]} if r.get("greedy") else {})
+        for system, rows in by_server.items():  # (runs before vLLM joined kept llama.cpp's alone, as `greedy`)
             same, of = sum(g["agree"] for g in rows), sum(g["of"] for g in rows)
             for entry in (rates.setdefault(system, {"same": 0, "of": 0, "by_pair": {}}),
                           rates[system]["by_pair"].setdefault(r["pair"], {"same": 0, "of": 0})):  # fmt: skip

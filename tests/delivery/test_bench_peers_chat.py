@@ -185,6 +185,9 @@ def test_paired_chat_rows_compare_later_turns_and_hit_rates_with_vllms_better_pl
     assert (row["lorafleet_prefix_hit_rate"], row["vllm_prefix_hit_rate"]) == (0.8, 0.7)
     rates = peers.greedy_rates(results)
     assert rates["vllm/auto"]["rate"] == 0.667 and rates["vllm/auto"]["by_pair"]["bf16:BF16"]["same"] == 2
+    older = [{"pair": "f32:F32", "scenario": "base", "greedy": [{**greedy[0], "agree": 3}]}]  # llama.cpp alone
+    whole = {"same": 3, "of": 3, "rate": 1.0}
+    assert peers.greedy_rates(older)["llama.cpp"] == {**whole, "by_pair": {"f32:F32": whole}}
 
     monkeypatch.setattr(report, "results_dir", lambda: tmp_path)
     data = {"machine": {"cpu_count": 2, "torch": "x", "loadavg_1_5_15": [0, 0, 0]}, "llama_cpp": "0.3.36",
