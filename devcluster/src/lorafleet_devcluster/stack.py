@@ -144,17 +144,19 @@ class Release:
             for field in ("updatedReplicas", "readyReplicas", "replicas")
         )
 
-    def deploy(self, values: Mapping[str, Any]) -> None:
-        """Install with MinIO first, then the rest. On the local cluster (no Service DNS) the
-        store endpoint is the MinIO pod's address, known once it runs."""
-        workers = values.get("workers", [])
+    def deploy(self, values: Mapping[str, Any], *, timeout: str = "280s") -> None:
+        """Install with MinIO first, then the worker groups (`workers`, `vllmWorkers`; `timeout`: how long
+        they may take to roll out). On the local cluster (no Service DNS) the store endpoint is the MinIO
+        pod's address, known once it runs."""
+        groups = {kind: values.get(kind, []) for kind in ("workers", "vllmWorkers")}
         self.log("helm install: operator, router, MinIO")
-        self.apply_values(deep_merge(values, {"workers": []}))
+        self.apply_values(deep_merge(values, {kind: [] for kind in groups}))
         if self.cluster.is_local and values.get("store", {}).get("mode", "minio") == "minio":
             host, port = self.endpoint(f"{self.fullname}-minio", 9000)
             values = deep_merge(values, {"store": {"endpoint": f"http://{host}:{port}"}})
-        self.log(f"helm upgrade: {sum(w.get('replicas', 2) for w in workers)} worker pod(s)")
-        self.apply_values(deep_merge(values, {"workers": workers}))
+        pods = sum(w.get("replicas", 2) for group in groups.values() for w in group)
+        self.log(f"helm upgrade: {pods} worker pod(s)")
+        self.apply_values(deep_merge(values, groups), timeout=timeout)
 
     def uninstall(self) -> None:
         self.helm("uninstall", self.name, "--wait", "--timeout", "180s")
