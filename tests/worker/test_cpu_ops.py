@@ -14,7 +14,7 @@ from lorafleet_worker.model.rope import apply_rope, rope_cos_sin
 from lorafleet_worker.model.transformer import RMSNorm
 from lorafleet_worker.ops import cpu_attention
 
-from tests.worker.test_model import our_logprobs
+from tests.worker.test_model import CHUNKS, our_logprobs
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the C++ CPU ops do not build")
 
@@ -97,9 +97,9 @@ def test_model_with_and_without_the_fused_ops(
 def test_decode_fast_path_gives_the_bits_of_the_layer_forward(
     tiny_models: Any, monkeypatch: pytest.MonkeyPatch, arch: str, dtype: torch.dtype, linears: str
 ) -> None:
-    """A decode-only CPU step runs the lean loop over `CpuDecodeLayer`s, with the same logits, bit for bit,
-    as `DecoderLayer.forward` (what a profiler's `ForwardOps(direct=False)` times instead), whichever
-    path serves the base GEMMs."""
+    """A CPU step (prompt chunks and decode tokens alike: every row a query of the paged kernel) runs the lean
+    loop over `CpuDecodeLayer`s, with the same logits, bit for bit, as `DecoderLayer.forward` (what a profiler's
+    `ForwardOps(direct=False)` times instead), whichever path serves the base GEMMs."""
     from lorafleet_worker.model import cpu_linear
     from lorafleet_worker.ops import cpu_gemm
 
@@ -117,10 +117,10 @@ def test_decode_fast_path_gives_the_bits_of_the_layer_forward(
     monkeypatch.setattr(transformer_mod, "_decode_on_cpu", lambda *a: calls.append(1) or lean(*a))
     prompt = [5, 17, 42, 99, 3, 250, 7, 8, 311, 64, 12, 1, 77, 140, 33, 21, 9]
     fast = our_logprobs(model, prompt)
-    assert len(calls) == 4  # the four one-token chunks of `our_logprobs`, the decode steps
+    assert len(calls) == len(CHUNKS)  # every chunk of `our_logprobs`: two prompt chunks, four decode steps
     model.set_ops(transformer_mod.ForwardOps(direct=False))
     generic = our_logprobs(model, prompt)
-    assert len(calls) == 4
+    assert len(calls) == len(CHUNKS)
     assert torch.equal(fast, generic)
 
 

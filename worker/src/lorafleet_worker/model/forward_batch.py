@@ -72,6 +72,13 @@ class ForwardBatch:
                 if window is not None:
                     p.mask &= keys > qpos - window
 
+    def query_tables(self) -> tuple[Tensor, Tensor]:
+        """The block table and context length of each row as a paged-kernel query: every row's after
+        `prepare_masks` with `rows`, else the decode rows' (a decode-only step)."""
+        if self.row_block_tables is not None and self.row_seq_lens is not None:
+            return self.row_block_tables, self.row_seq_lens
+        return self.decode_block_tables, self.decode_seq_lens
+
     def _prepare_rows(self) -> None:
         tables = [self.decode_block_tables[: self.num_decode]]
         lens = [self.decode_seq_lens[: self.num_decode]]

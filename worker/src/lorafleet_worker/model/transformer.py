@@ -3,9 +3,10 @@
 The forward pass runs over a flattened ragged batch (`forward_batch.py`): decode tokens of running
 sequences first (one token each), then prefill chunks. Each layer writes its K/V into the paged cache
 and attends over it (`attention.py`). Projections are fused (qkv, gate_up) and each of the four
-projection groups applies the step's LoRA adapters through the LoRA backend. A decode-only step on CPU
-(the one-user case) runs the same ops through a lean loop over per-layer plans (`CpuDecodeLayer`,
-`_decode_on_cpu`) instead of `DecoderLayer.forward`: the same logits, without its Python per op.
+projection groups applies the step's LoRA adapters through the LoRA backend. On CPU, where every row of a
+step attends through the C++ paged kernel (decode tokens, the draft tokens a step verifies, prompt chunks), the
+step runs the same ops through a lean loop over per-layer plans (`CpuDecodeLayer`, `_decode_on_cpu`) instead of
+`DecoderLayer.forward`: the same logits, without its Python per op.
 """
 
 from __future__ import annotations
@@ -67,10 +68,11 @@ Matmul2d = Callable[[Tensor, Tensor | None], Tensor]  # x [T, in], bias -> x @ W
 
 @dataclass(frozen=True, slots=True)
 class CpuDecodeLayer:
-    """What a decode-only CPU step calls for one layer, looked up once (`Transformer.cpu_decode_layers`).
+    """What a CPU step calls for one layer, looked up once (`Transformer.cpu_decode_layers`).
 
-    The fast path of a one-user step: it skips the module attribute look-ups, per-call wrappers and branches
-    of `DecoderLayer.forward`. The same ops in the same order, so the logits are the same bits as `forward`'s.
+    The fast path of a one-user step (a decode token, or a token and the draft it verifies): it skips the module
+    attribute look-ups, per-call wrappers and branches of `DecoderLayer.forward`. The same ops in the same order,
+    so the logits are the same bits as `forward`'s.
     """
 
     idx: int
@@ -99,10 +101,11 @@ class ForwardOps:
     """The ops a forward pass goes through, one object shared by a model and its layers (`Transformer.ops`).
 
     `linear` is every base-model GEMM, `attention` every paged attention of a layer that runs op by op and
-    `decode_attention` the one-op attention of a decode-only CPU step (C++, `ops/cpu_attention.py`).
-    With `direct`, panel weights call their own op (`matmul_2d`, four Python frames fewer a projection) and a
-    decode-only CPU step runs the fused loop (`_decode_on_cpu`). The hook for profilers: `Transformer.set_ops`
-    with timed wrappers and `direct=False`, so that every GEMM and attention passes through them.
+    `decode_attention` the one-op attention of a CPU step whose every row is a query over its paged context
+    (C++, `ops/cpu_attention.py`). With `direct`, panel weights call their own op (`matmul_2d`, four Python frames
+    fewer a projection) and such a CPU step runs the fused loop (`_decode_on_cpu`). The hook for profilers:
+    `Transformer.set_ops` with timed wrappers and `direct=False`, so that every GEMM and attention passes through
+    them.
     """
 
     linear: Callable[[Tensor, Tensor, Tensor | None, Packed | None], Tensor] = cpu_linear.linear
@@ -167,7 +170,7 @@ class DecoderLayer(nn.Module):
         x = cpu_attention.rms_norm(h, self.attn_norm.weight, self.attn_norm.eps) if fused else self.attn_norm(h)
         qkv = self._proj(x, self.qkv_w, self.qkv_b, "qkv", lora)
         t = x.shape[0]
-        if fused and attn_backend == "cpu" and batch.num_decode == t:  # decode only: the attention in one op
+        if fused and attn_backend == "cpu":  # every row a query over its paged context: the attention in one op
             qn, kn = self.q_norm, self.k_norm
             attn = self.ops.decode_attention(
                 qkv, cos, sin, None if qn is None else qn.weight, None if kn is None else kn.weight,
@@ -230,10 +233,10 @@ def _fused_ops(h: Tensor) -> bool:
 def _decode_on_cpu(
     layers: list[CpuDecodeLayer], h: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, kv: PagedKVCache
 ) -> Tensor:
-    """A decode-only CPU step through every layer: `DecoderLayer.forward`'s fused branch, op for op."""
+    """A CPU step through every layer: `DecoderLayer.forward`'s fused branch, op for op."""
     ops = cpu_attention.native()
     rms_norm, attention, add_rms_norm_, silu_mul = ops.rms_norm, ops.decode_attention, ops.add_rms_norm_, ops.silu_mul
-    slots, tables, lens = batch.slot_mapping, batch.decode_block_tables, batch.decode_seq_lens
+    slots, (tables, lens) = batch.slot_mapping, batch.query_tables()
     lora = batch.lora
     for ly in layers:
         x = rms_norm(h, ly.attn_norm, ly.attn_eps)
@@ -312,7 +315,7 @@ class Transformer(nn.Module):
         fused = _fused_ops(h)
         rows = fused and self.attn_backend == "cpu" and batch.num_decode < h.shape[0]  # prefill in the paged kernel
         batch.prepare_masks(kv.block_size, self.config.sliding_window, decode=self.attn_backend == "torch", rows=rows)
-        fast = fused and self.ops.direct and self.attn_backend == "cpu" and batch.num_decode == h.shape[0]
+        fast = fused and self.ops.direct and self.attn_backend == "cpu"
         layers = self.cpu_decode_layers() if fast else None
         if layers is not None:
             h = _decode_on_cpu(layers, h, cos, sin, batch, kv)

@@ -1,7 +1,7 @@
 """The Python side of the CPU ops library (`csrc/attention.cpp`, `csrc/layer_ops.cpp`): paged decode
-attention that reads each sequence's K/V blocks in place, a decode-only step's whole attention in one call,
-and the small ops of a decoder layer (RMSNorm, residual add + RMSNorm, SiLU x up, RoPE in place) and greedy
-sampling's pick (`greedy_pick`).
+attention that reads each sequence's K/V blocks in place, a step's whole attention in one call (every row a
+query over its paged context), the small ops of a decoder layer (RMSNorm, residual add + RMSNorm, SiLU x up,
+RoPE in place) and greedy sampling's pick (`greedy_pick`).
 
 `available()` says whether the library serves this process (`loader`: prebuilt, JIT-compiled, or none, then
 the engine keeps the torch path); `LORAFLEET_CPU_ATTENTION=torch` turns it off. The op functions below assume
@@ -72,13 +72,15 @@ def decode_attention(
     scale: float,
     window: int | None,
 ) -> Tensor:
-    """A decode-only step's attention from the qkv projection [T, (H + 2 KVH) D], one op: per-head q/k RMSNorm
+    """A step's attention from the qkv projection [T, (H + 2 KVH) D] where every row is a query over its paged
+    context (`batch.query_tables`: decode tokens, verified drafts, prompt rows), one op: per-head q/k RMSNorm
     (when given), RoPE on q and k in place, k/v into the caches at `batch.slot_mapping`, paged decode.
     Returns [T, H * D]; the same arithmetic as `rope_`, the cache writes and `paged_decode`."""
     mod = _module()
+    tables, lens = batch.query_tables()
     out: Tensor = mod.decode_attention(
         qkv, cos, sin, q_norm, k_norm, float(eps), k_cache, v_cache, batch.slot_mapping,
-        batch.decode_block_tables, batch.decode_seq_lens, int(num_heads), float(scale), int(window or 0),
+        tables, lens, int(num_heads), float(scale), int(window or 0),
     )  # fmt: skip
     return out
 
