@@ -14,9 +14,14 @@ LORAFLEET_BENCH_SMOKE=1), two in-process `Engine`s with the same settings but `-
 Per pass: output tokens per second, and for the speculative engine the drafts, draft tokens and
 accepted tokens; per workload the ratio speculative / plain of each round (the two engines run in turn,
 the first alternating, so that a shared machine's load swings hit both), its mean and median, and whether
-the two engines gave the same greedy tokens.
+the two engines gave the same greedy tokens. For the grounded workload also the lookup sweep: how many steps
+other `prompt_lookup_min` / `prompt_lookup_max` / `num_speculative_tokens` choices would take to give the same
+greedy tokens (greedy output does not depend on them, so this is exact without running the model): the tokens per
+step that bound the speedup of this workload on this model.
 
-    python bench/bench_spec.py           # writes bench/spec.json
+    python bench/bench_spec.py                                   # writes bench/spec.json
+    python bench/bench_spec.py --precision int8 --workloads grounded \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'
 """
 
 from __future__ import annotations
@@ -35,6 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SMOKE, log, machine, real_model, trained_adapters, write_json
 
 SPEC_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+PRECISIONS: dict[str, dict[str, Any]] = {
+    "auto": {},  # the checkpoint's dtype as the worker resolves it (float32 on a CPU without bfloat16 units)
+    "bf16": {"dtype": "bfloat16"},
+    "int8": {"dtype": "bfloat16", "quantization": "int8"},
+}
+# (prompt_lookup_min, prompt_lookup_max, num_speculative_tokens) of the lookup sweep
+SWEEP = ((2, 4, 4), (1, 4, 4), (2, 4, 5), (1, 3, 5), (2, 4, 8), (1, 4, 8), (3, 5, 5), (1, 8, 8))
 ARTICLE = (
     "Order 48213 was placed by Margaret Okonkwo-Hale on 12 March 2024 for a walnut writing desk and two brass "
     "lamps. It shipped from the Rotterdam warehouse to 17 Kingfisher Lane, Bristol, and was delivered on 19 "
@@ -73,6 +85,44 @@ LONG_KEYS_SCHEMA = {
         "number_of_items_that_arrived_damaged",
     ],
 }
+
+
+def lookup_sweep(
+    prompts: list[list[int]], outputs: list[list[int]], configs: tuple[tuple[int, int, int], ...] = SWEEP
+) -> list[dict[str, Any]]:
+    """Steps n-gram speculation takes to give the greedy `outputs` (each after its prompt) with each config: the
+    prefill gives the first token, then each step keeps its draft's matching prefix and one more token."""
+    from lorafleet_worker.spec_decode.ngram import NgramProposer
+
+    total = sum(len(o) for o in outputs)
+    rows = []
+    for lo, hi, k in configs:
+        proposer = NgramProposer(lo, hi, k)
+        steps = drafted = accepted = 0
+        for prompt, out in zip(prompts, outputs, strict=True):
+            tokens, i = [*prompt, *out[:1]], 1
+            steps += 1 if out else 0
+            while i < len(out):
+                draft = proposer.propose(tokens, len(out) - i)
+                a = 0
+                while a < len(draft) and draft[a] == out[i + a]:
+                    a += 1
+                drafted, accepted = drafted + len(draft), accepted + a
+                tokens += out[i : i + a + 1]
+                i += a + 1
+                steps += 1
+        rows.append(
+            {
+                "prompt_lookup_min": lo,
+                "prompt_lookup_max": hi,
+                "num_speculative_tokens": k,
+                "steps": steps,
+                "tokens_per_step": round(total / steps, 3) if steps else None,
+                "draft_tokens": drafted,
+                "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+            }
+        )
+    return rows
 
 
 async def one_pass(
@@ -126,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--c32-requests", type=int, default=32)
     parser.add_argument("--c32-max-tokens", type=int, default=32)
     parser.add_argument("--workloads", nargs="+", default=["grounded", "json", "c32"])
+    parser.add_argument("--speculative-config", default=SPEC_CONFIG, help="the speculative engine's (vLLM's JSON)")
+    parser.add_argument("--precision", choices=list(PRECISIONS), default="auto", help="both engines' weights")
+    parser.add_argument("--out", default="spec", help="bench/<out>.json")
     args = parser.parse_args(argv)
 
     from lorafleet_worker.core.engine import Engine
@@ -136,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     model = real_model()
     adapters = trained_adapters(model)
     tokenizer = Tokenizer.from_dir(model)
-    common: dict[str, Any] = {"max_loras": 4, "max_num_seqs": 32, "max_model_len": 1024}
-    spec_config = SpeculativeConfig.parse(SPEC_CONFIG)
+    common: dict[str, Any] = {"max_loras": 4, "max_num_seqs": 32, "max_model_len": 1024, **PRECISIONS[args.precision]}
+    spec_config = SpeculativeConfig.parse(args.speculative_config)
     engines = {
         "plain": Engine(model, **common),
         "spec": Engine(model, **common, speculative_config=spec_config, jump_forward=True),
@@ -147,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in GROUNDED]
     grounded = [(p, names[i % len(names)]) for i, p in enumerate(prompts)]
     json_prompt = f"Here is a text:\n{ARTICLE}\nFill in the JSON fields from the text."
-    json_jobs = [(tokenizer.encode_chat([{"role": "user", "content": json_prompt}]), None)] * 3
+    json_jobs: list[tuple[list[int], str | None]] = [
+        (tokenizer.encode_chat([{"role": "user", "content": json_prompt}]), None)
+    ] * 3
     c32 = [(prompts[i % len(prompts)], names[i % len(names)]) for i in range(args.c32_requests)]
     workloads: dict[str, tuple[list[tuple[list[int], str | None]], int, int, Any]] = {
         "grounded": (grounded, 1, args.max_tokens, None),
@@ -182,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
                 for q in passes
                 if q["engine"] == "spec" and q["round"] == p["round"]
             )
+            sweep = None
+            if w == "grounded":
+                plain = next(p["_tokens"] for p in passes if p["engine"] == "plain")
+                sweep = lookup_sweep([prompt for prompt, _ in jobs], plain)
             for p in passes:
                 p.pop("_tokens")
             ratios = []
@@ -201,18 +260,22 @@ def main(argv: list[str] | None = None) -> int:
                 "median_ratio_spec_over_plain": round(median, 3),
                 "same_greedy_tokens": same,
             }
+            if sweep is not None:
+                results[w]["lookup_sweep"] = sweep
         for engine in engines.values():
             await engine.stop()
         return results
 
     results = asyncio.run(run())
     write_json(
-        "spec",
+        args.out,
         {
             "machine": machine(),
+            "command": "python bench/bench_spec.py " + " ".join(sys.argv[1:]),
             "model": model.name,
             "smoke": SMOKE,
-            "speculative_config": SPEC_CONFIG,
+            "precision": args.precision,
+            "speculative_config": args.speculative_config,
             "disable_by_batch_size": spec_config.disable_by_batch_size,
             "jump_forward": True,
             "json_schema": json.dumps(LONG_KEYS_SCHEMA),
