@@ -1,6 +1,6 @@
 # Local Kubernetes control plane: Go-built tools, the e2e suite; the kind variant.
 # See docs/local-cluster.md.
-.PHONY: go-tools cluster-up cluster-down e2e e2e-kind kind-node
+.PHONY: go-tools cluster-up cluster-down e2e e2e-kind e2e-kind-multinode kind-node
 
 KIND_CLUSTER ?= lorafleet-e2e
 export KIND_CLUSTER
@@ -33,3 +33,9 @@ setup: kind-node
 
 e2e-kind: setup  ## the chart e2e on a kind cluster (podman provider in a network namespace where there is no docker)
 	@tools/kind-e2e.sh $(KIND_E2E_TESTS) $(PYTEST_ARGS)
+
+# The chart e2e plus the multi-node files on kind with two worker nodes and kube-router (routes between the
+# nodes, NetworkPolicy enforced). Heavy (three nodes): not part of CI's e2e-kind. docs/local-cluster.md.
+KIND_MULTINODE_TESTS ?= $(KIND_E2E_TESTS) tests/e2e/test_kind_multinode.py
+e2e-kind-multinode: setup  ## the chart e2e, NetworkPolicy enforcement and node faults on kind: 1 control plane + 2 workers (kube-router)
+	@KIND_WORKERS=2 tools/kind-e2e.sh $(KIND_MULTINODE_TESTS) $(PYTEST_ARGS)

@@ -17,7 +17,10 @@
 # `setup-envtest use -p path` leaves them). A failed step prints the last 50 lines
 # of its log and the log's path.
 #
-# Usage: tools/build-go-tools.sh [kubernetes|etcd|helm|kind ...]   (default: kubernetes etcd helm)
+# The `kind-cni` target (not a default, not part of setup) builds the multi-node kind cluster's network
+# (kube-router and the CNI bridge plugin; pins in kind-cni.versions).
+#
+# Usage: tools/build-go-tools.sh [kubernetes|etcd|helm|kind|kind-cni ...]   (default: kubernetes etcd helm)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -229,6 +232,16 @@ build_kind_tools() {  # everything a locally built kind node image needs (tools/
     "-X github.com/coredns/coredns/coremain.GitCommit=$COREDNS_VERSION" github.com/coredns/coredns
 }
 
+build_kind_cni() {  # the multi-node kind network: kube-router (routes + NetworkPolicy) and the bridge plugin it drives
+  # shellcheck source=kind-cni.versions
+  source "$here/kind-cni.versions"
+  local r=github.com/cloudnativelabs/kube-router/v2
+  timed "kube-router-$KUBE_ROUTER_VERSION" build_module kube-router "$KUBE_ROUTER_VERSION" \
+    "-X $r/pkg/version.Version=$KUBE_ROUTER_VERSION" "$r/cmd/kube-router"
+  timed "cni-bridge-$CNI_PLUGINS_VERSION" build_module cni-bridge "$CNI_PLUGINS_VERSION" "" \
+    github.com/containernetworking/plugins/plugins/main/bridge
+}
+
 main() {
   local targets=("$@")
   [ ${#targets[@]} -gt 0 ] || targets=(etcd helm kubernetes)
@@ -241,7 +254,8 @@ main() {
       etcd) timed "etcd-$ETCD_VERSION" build_etcd ;;
       helm) timed "helm-$HELM_VERSION" build_helm ;;
       kind) build_kind_tools ;;
-      *) log "unknown tool: $t (kubernetes, etcd, helm, kind)"; exit 2 ;;
+      kind-cni) build_kind_cni ;;
+      *) log "unknown tool: $t (kubernetes, etcd, helm, kind, kind-cni)"; exit 2 ;;
     esac
   done
   log "all Go tools ready in $BIN"
