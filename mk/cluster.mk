@@ -36,6 +36,6 @@ e2e-kind: setup  ## the chart e2e on a kind cluster (podman provider in a networ
 
 # The chart e2e plus the multi-node files on kind with two worker nodes and kube-router (routes between the
 # nodes, NetworkPolicy enforced). Heavy (three nodes): not part of CI's e2e-kind. docs/local-cluster.md.
-KIND_MULTINODE_TESTS ?= $(KIND_E2E_TESTS) tests/e2e/test_kind_multinode.py
+KIND_MULTINODE_TESTS ?= $(KIND_E2E_TESTS) tests/e2e/test_kind_multinode.py tests/e2e/test_node_faults.py
 e2e-kind-multinode: setup  ## the chart e2e, NetworkPolicy enforcement and node faults on kind: 1 control plane + 2 workers (kube-router)
 	@KIND_WORKERS=2 tools/kind-e2e.sh $(KIND_MULTINODE_TESTS) $(PYTEST_ARGS)
