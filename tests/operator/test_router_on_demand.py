@@ -1,6 +1,6 @@
 """The router's side of adapters on demand: a catalogued adapter with no holder (scaled to zero, or
-its holders gone) goes to its rendezvous pod among the Ready pods of its base model, the first of
-the HRW order the operator's placement uses, which loads it from its catalogue.
+its holders gone, or its listed holders unreachable) goes to its rendezvous pod among the Ready pods of
+its base model, the first of the HRW order the operator's placement uses, which loads it from its catalogue.
 
 Real HTTP: the router's app in front of stub workers on their own 127.0.B.x addresses; each stub
 answers for what it holds, loads a catalogued adapter on demand, and answers vLLM's 404 otherwise.
@@ -111,3 +111,26 @@ async def test_vllm_pods_are_not_rendezvous_pods(fleet: Fleet) -> None:
     resp = await fleet.client.post("/v1/completions", json={"model": "org/idle", "prompt": "hi"})
     assert resp.status == 200, await resp.text()
     assert {pod for pod, held in fleet.held.items() if "org/idle" in held} == {expected}
+
+
+async def test_a_served_adapter_whose_listed_holders_are_gone_goes_to_its_rendezvous_pod(fleet: Fleet) -> None:
+    """A rollout took down the last pod holding it before the operator placed it on a new one: the status
+    still lists the old pod (the router trusts the address of a pod it has not seen), which refuses
+    connections; after that one try the rendezvous pod loads it on demand, instead of a 503."""
+    gone = AddressBlock()
+    try:
+        dead = gone.take()  # an address nothing listens on
+        status = {
+            "phase": "Ready",
+            "servedUri": "s3://bucket/moved",
+            "endpoints": [{"podName": "worker-old", "address": f"http://{dead}:{INFER_PORT}", "ready": True}],
+        }
+        fleet.table.on_model("ADDED", model_body("moved", "org/moved", status))
+        CATALOG.add("org/moved")
+        resp = await fleet.client.post("/v1/completions", json={"model": "org/moved", "prompt": "hi"})
+        assert resp.status == 200, await resp.text()
+        expected = rank("org/moved", ["worker-0", "worker-1", "worker-2"])[0]
+        assert {pod for pod, held in fleet.held.items() if "org/moved" in held} == {expected}
+    finally:
+        CATALOG.discard("org/moved")
+        gone.close()

@@ -6,7 +6,8 @@ aiohttp process that can run several replicas):
   ``ready: true`` whose pods are Ready; the routing policy (policy.py) picks one: by default
   the one most likely to hold the prompt's prefix in its KV cache within a load bound, else the one
   with the fewest in-flight requests through this router;
-- a catalogued adapter (``Model.catalog_uri``) with no holder -> its rendezvous pod among the Ready
+- a catalogued adapter (``Model.catalog_uri``) with no holder, or whose listed holders all failed once
+  (its last holder gone in a rollout before the operator placed it again) -> its rendezvous pod among the Ready
   pods of its base model (the first of its HRW order, ``placement.rank``, as the operator's placement),
   which loads it on demand from the catalogue the operator gave it; the operator's placement then
   keeps it there;
@@ -405,6 +406,8 @@ class Router:
                 pause = min(2 * pause, 1.0)
                 fresh = self.table.resolve(name)
                 endpoints = fresh[1] if fresh else []
+                if model is not None:  # its holders all failed once: a pod that loads it on demand may answer
+                    endpoints += [e for e in self.table.rendezvous_endpoint(model) if e not in endpoints]
                 tried.clear()  # every holder, the ones tried included, gets another try
                 continue
             tried.add(endpoint)
