@@ -61,8 +61,8 @@ def vllm_group(model: Path, adapters: dict[str, Path]) -> dict[str, Any]:
         "maxCpuLoras": 4,
         "maxLoraRank": vllm_server.max_lora_rank(list(adapters.values())),
         "model": {"path": model.name, "volume": {"hostPath": {"path": str(model.parent), "type": "Directory"}}},
-        # --shutdown-timeout: on SIGTERM, vLLM lets requests in flight finish (by default it aborts them: a 500)
-        "args": ["--dtype=float32", "--max-model-len=1024", "--max-num-seqs=4", "--shutdown-timeout=20"],
+        # the chart's shutdownTimeout (20 s) makes vLLM let requests in flight finish on SIGTERM
+        "args": ["--dtype=float32", "--max-model-len=1024", "--max-num-seqs=4"],
         "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
     }
 

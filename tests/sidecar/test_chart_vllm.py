@@ -56,8 +56,10 @@ def test_the_vllm_pod_is_a_worker_of_its_base_model(docs: list[Doc]) -> None:
         "--max-loras=4",
         "--max-cpu-loras=64",
         "--max-lora-rank=64",
+        "--shutdown-timeout=20",  # a stopping pod lets its requests in flight finish (vLLM's default aborts them)
         "--dtype=bfloat16",
     ]
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 35  # longer than that wait
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
     env = env_of(vllm)
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
@@ -124,3 +126,11 @@ def test_listen_on_pod_ip_binds_both_servers_there() -> None:
     vllm, sidecar = by_name(dep)["vllm"], by_name(dep)["lorafleet-sidecar"]
     assert "--host=$(POD_IP)" in vllm["args"] and "--host=$(POD_IP)" in sidecar["args"]
     assert "--vllm-url=http://$(POD_IP):8000" in sidecar["args"]
+
+
+def test_shutdown_timeout_zero_keeps_vllms_default() -> None:
+    group = {**VLLM_GROUP, "shutdownTimeout": 0}
+    dep = one(template({"vllmWorkers": [group]}), "Deployment", "lf-lorafleet-vllm-smol-vllm")
+    vllm = by_name(dep)["vllm"]
+    assert not [a for a in vllm["args"] if a.startswith("--shutdown-timeout")]
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 15
