@@ -102,7 +102,7 @@ ATTN_SHAPES = [
     AttnShape(16, 2048, 32, 32, 128),
     AttnShape(16, 2048, 64, 8, 128),
 ]
-DRY_LORA_SHAPES = [LoRAShape("qkv", 40, (48, 16, 16), 8, 4, MIXED_RANKS), LoRAShape("down", 72, (40,), 32, 2, (16,))]
+DRY_LORA_SHAPES = [LoRAShape("qkv", 40, (48, 16, 16), 8, 4, MIXED_RANKS), LoRAShape("down", 72, (40,), 300, 2, (16,))]
 DRY_ATTN_SHAPES = [AttnShape(2, 40, 4, 1, 16)]
 E2E_ADAPTERS = (0, 1, 16, 64)
 

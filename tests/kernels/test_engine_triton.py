@@ -16,6 +16,7 @@ import pytest
 import torch
 from lorafleet_worker.core.engine import Engine
 from lorafleet_worker.kernels import paged_attention
+from lorafleet_worker.lora.backends import triton as triton_backend
 from lorafleet_worker.lora.backends.triton import TritonLoRABackend
 from lorafleet_worker.lora.batch import LoRABatchInfo
 from lorafleet_worker.model.quantization import METHODS as QUANTIZATIONS
@@ -115,6 +116,8 @@ class _KernelUse:
             return attn_kernel(*args, **kwargs)
 
         monkeypatch.setattr(TritonLoRABackend, "use_gathered", recording_pick)
+        # these prompts are short: without this, prefill steps would be decode-sized and gathered too
+        monkeypatch.setattr(triton_backend, "GATHERED_MAX_TOKENS", 0)
         monkeypatch.setattr(paged_attention, "paged_attention_decode", counting_attn)
 
     def check(self) -> None:

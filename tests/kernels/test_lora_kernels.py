@@ -64,7 +64,9 @@ def test_fused_qkv_mixed_ranks_matches_torch_backend(dtype: torch.dtype, layout:
     w = random_proj_weights(in_dim=40, widths=QKV_WIDTHS, ranks=QKV_RANKS, max_rank=64, dtype=dtype, device=device)
     x, out0 = inputs(len(TOKEN_SLOTS), 40, w.slice_offsets[-1], dtype, device)
     limit = LAYOUTS[layout]
-    backend = TritonLoRABackend() if limit is None else TritonLoRABackend(gathered_max_seg_len=limit)
+    backend = (
+        TritonLoRABackend() if limit is None else TritonLoRABackend(gathered_max_seg_len=limit, gathered_max_tokens=0)
+    )
     got = run_backend(backend, x, out0, w, TOKEN_SLOTS)
     expected = run_backend(TorchLoRABackend(device), x, out0, w, TOKEN_SLOTS)
     truth = dense_reference(x, out0, w, TOKEN_SLOTS)
@@ -85,8 +87,10 @@ def test_fused_qkv_mixed_ranks_matches_torch_backend(dtype: torch.dtype, layout:
 def test_backend_picks_layout_by_batch_shape() -> None:
     backend = TritonLoRABackend()
     decode = build_batch_info(torch.tensor([0, 1, 2, 3, -1, 0], dtype=torch.int32))
-    prefill = build_batch_info(torch.tensor([0] * 20 + [1], dtype=torch.int32))
+    shared_decode = build_batch_info(torch.full((64,), 3, dtype=torch.int32))  # 64 sequences, one adapter
+    prefill = build_batch_info(torch.tensor([0] * 300 + [1], dtype=torch.int32))
     assert backend.use_gathered(decode)
+    assert backend.use_gathered(shared_decode), "a decode batch of one adapter must not run a handful of programs"
     assert not backend.use_gathered(prefill)
 
 
@@ -97,7 +101,7 @@ def test_gate_up_long_segments_several_tiles(dtype: torch.dtype, device: torch.d
     w = random_proj_weights(in_dim=200, widths=(72, 72), ranks=ranks, max_rank=64, dtype=dtype, device=device, seed=3)
     slots = [0] * 35 + [1] * 5 + [-1] * 3 + [0] * 35
     x, out0 = inputs(len(slots), 200, 144, dtype, device, seed=4)
-    got = run_backend(TritonLoRABackend(gathered_max_seg_len=0), x, out0, w, slots)
+    got = run_backend(TritonLoRABackend(gathered_max_seg_len=0, gathered_max_tokens=0), x, out0, w, slots)
     tol = TOL[dtype]
     torch.testing.assert_close(got.double(), dense_reference(x, out0, w, slots), atol=tol, rtol=tol)
 
@@ -135,7 +139,7 @@ def test_base_only_batch_is_untouched(device: torch.device) -> None:
     x, out0 = inputs(6, 16, 16, torch.float16, device)
     slots = [-1] * 6
     for limit in (0, 1 << 30):
-        assert torch.equal(run_backend(TritonLoRABackend(limit), x, out0, w, slots), out0)
+        assert torch.equal(run_backend(TritonLoRABackend(limit, 0), x, out0, w, slots), out0)
     xa = torch.empty(6, 1, 16, device=device)
     out = out0.clone()
     token_slots = torch.tensor(slots, dtype=torch.int32, device=device)

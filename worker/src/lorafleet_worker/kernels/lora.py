@@ -243,7 +243,9 @@ def _shrink_gathered_kernel(
     r_mask = offs_r < rank
     offs_k = tl.arange(0, BLOCK_K)
     a_base = a_ptr + slot * stride_a_slot + s * stride_a_slice
-    acc = tl.full((BLOCK_R,), 0.0, tl.float32)
+    # Element-wise products accumulate in a [BLOCK_R, BLOCK_K] tile and are summed once after the loop: a
+    # cross-lane reduction per K step would serialise the loop on shuffles.
+    acc = tl.full((BLOCK_R, BLOCK_K), 0.0, tl.float32)
     for k0 in range(0, in_dim, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < in_dim
@@ -251,8 +253,9 @@ def _shrink_gathered_kernel(
         at = tl.load(
             a_base + offs_r[:, None] * stride_a_rank + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0
         )
-        acc += tl.reduce(at.to(tl.float32) * xv[None, :], 1, tl.standard._sum_combine)
-    tl.store(xa_ptr + t * stride_xa_t + s * stride_xa_s + offs_r, acc, mask=r_mask)
+        acc += at.to(tl.float32) * xv[None, :]
+    xa = tl.reduce(acc, 1, tl.standard._sum_combine)
+    tl.store(xa_ptr + t * stride_xa_t + s * stride_xa_s + offs_r, xa, mask=r_mask)
 
 
 def _expand_gathered_kernel(

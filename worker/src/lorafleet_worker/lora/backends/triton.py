@@ -4,9 +4,12 @@ Per projection: one shrink launch (x · Aᵀ into an fp32 `[T, n_slices, max_ran
 launch (scaled · Bᵀ added into `out`), each covering every adapter and slice of the batch.
 
 Layout choice by batch shape: when no adapter has more than `GATHERED_MAX_SEG_LEN` tokens in the step
-(decode with many distinct adapters) the per-token gathered kernels run, which need no 16-row `tl.dot`
-tile per adapter; otherwise (prefill, or decode where adapters are shared) the segmented kernels run, which
-read each adapter's weights once per tile of up to 64 of its tokens.
+(decode with many distinct adapters), or the whole step has at most `GATHERED_MAX_TOKENS` tokens (a decode
+batch, even one where every sequence shares one adapter), the per-token gathered kernels run: one program per
+token and rank block, enough to fill the GPU, re-reading a shared adapter's weights from L2. Otherwise
+(prefill) the segmented kernels run, which read each adapter's weights once per tile of up to 64 of its
+tokens; on a decode batch of one adapter they would run only a few programs for the whole step (one per
+slice), which left the GPU nearly idle during the shrink (bench/README.md, "GPU").
 """
 
 from __future__ import annotations
@@ -26,13 +29,17 @@ if TYPE_CHECKING:
     from ..pool import LoRAPool
 
 GATHERED_MAX_SEG_LEN = 4
+GATHERED_MAX_TOKENS = 256
 
 
 class TritonLoRABackend:
     """Multi-LoRA on Triton kernels (CUDA; CPU only under `TRITON_INTERPRET=1`)."""
 
-    def __init__(self, gathered_max_seg_len: int = GATHERED_MAX_SEG_LEN) -> None:
+    def __init__(
+        self, gathered_max_seg_len: int = GATHERED_MAX_SEG_LEN, gathered_max_tokens: int | None = None
+    ) -> None:
         self.gathered_max_seg_len = gathered_max_seg_len
+        self.gathered_max_tokens = GATHERED_MAX_TOKENS if gathered_max_tokens is None else gathered_max_tokens
         self._offsets: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
 
     def prepare(self, token_slots: Tensor) -> LoRABatchInfo:
@@ -42,8 +49,9 @@ class TritonLoRABackend:
         return None
 
     def use_gathered(self, batch: LoRABatchInfo) -> bool:
-        """The per-token gathered layout when every adapter has at most a few tokens in the step."""
-        return batch.max_seg_len <= self.gathered_max_seg_len
+        """The per-token gathered layout when every adapter has at most a few tokens in the step, or the step
+        is decode-sized."""
+        return batch.max_seg_len <= self.gathered_max_seg_len or batch.num_tokens <= self.gathered_max_tokens
 
     def _slice_offsets(self, offsets: tuple[int, ...], device: torch.device) -> Tensor:
         key = (offsets, device)
