@@ -366,7 +366,9 @@ async def bench_shape(
             for name, (path, _) in zip(names, adapters, strict=True):
                 await engine.add_adapter(name, path)
             for n in counts[family]:
-                await _decode_run(engine, names[:n], num_seqs, 16, 4)  # warm-up: jit for these shapes, slots
+                await _decode_run(
+                    engine, names[:n], num_seqs, prompt_len, 4
+                )  # warm-up at the timed shapes (jit), slots
                 res = await _decode_run(engine, names[:n], num_seqs, prompt_len, max_tokens)
                 ranks = [r for _, r in adapters[:n]]
                 need = decode_step_bytes(

@@ -6,7 +6,7 @@ launched per step, the GPU's busy time per step (the sum of kernel times) and so
 GPU is idle (waiting for the host to launch work), plus the kernels that take the most time.
 
     python bench/profile_gpu.py --out bench/gpu-profile.json     # needs CUDA
-    python bench/profile_gpu.py --dry-run                         # CPU, tiny shape (checks the script)
+    python bench/profile_gpu.py --dry-run     # tiny shape; on CPU under TRITON_INTERPRET=1 (checks the script)
 """
 
 from __future__ import annotations
@@ -97,7 +97,9 @@ async def run(args: argparse.Namespace) -> list[dict]:
         "tokenizer-src", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128
     )
     model_dir = shape_model_dir(shape, CACHE / f"{shape.name}-config", tok_src)
-    device = "cpu" if args.dry_run else "cuda"
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     n_max = max(args.adapters)
     paths = [
         write_peft_adapter(CACHE / f"{shape.name}-adapters" / f"r16-{i:03d}", shape, 16, seed=i, device=device)
@@ -141,7 +143,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shape")
+    p.add_argument("--dry-run", action="store_true", help="tiny shape (on CPU: under TRITON_INTERPRET=1)")
     p.add_argument("--adapters", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 16, 64])
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=512)

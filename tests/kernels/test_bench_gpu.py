@@ -4,6 +4,7 @@ and the model-shape roofline's arithmetic and adapters (bench/model_shape.py).""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -125,3 +126,19 @@ def test_shape_adapter_is_a_peft_adapter(bench: ModuleType, tiny_models: Any, tm
     loaded = {n for n, _ in model.named_parameters() if "lora_" in n}
     assert len(loaded) == 2 * 7 * shape.num_layers
     assert not torch.equal(model(x).logits, before)  # the adapter's weights took part
+
+
+def test_profile_script_dry_run(tmp_path: Path) -> None:
+    """bench/profile_gpu.py end to end on the tiny shape: one row per adapter count, steps and kernel tables."""
+    spec = importlib.util.spec_from_file_location("profile_gpu", BENCH.parent / "profile_gpu.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "profile.json"
+    assert module.main(["--dry-run", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["adapters"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert row["steps"] == 4 and row["wall_ms_per_step"] > 0
+        if torch.cuda.is_available():
+            assert row["kernels_per_step"] > 0 and row["top_kernels"]
