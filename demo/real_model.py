@@ -257,7 +257,7 @@ def worker_scores(path: Path, prompts: list[list[int]]) -> list[tuple[list[float
         first = outputs[0]
         assert first.prompt_logprobs is not None and first.top_logprobs is not None
         top = dict(sorted(first.top_logprobs.items(), key=lambda kv: -kv[1])[:CHECK_TOP])
-        return [lp for lp, _ in first.prompt_logprobs], top
+        return [p.logprob for p in first.prompt_logprobs], top
 
     async def run() -> list[tuple[list[float], dict[int, float]]]:
         await engine.start()

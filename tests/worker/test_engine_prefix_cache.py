@@ -143,7 +143,7 @@ async def test_prompt_logprobs_are_exact_on_a_cached_prompt(tiny_models: Any) ->
         await collect(engine, "warm", prompts(0), GREEDY)
         outs = [o async for o in engine.generate("echo", prompts(0), SamplingParams(max_tokens=0, prompt_logprobs=1))]
         assert outs[0].prompt_logprobs is not None and len(outs[0].prompt_logprobs) == len(prompts(0)) - 1
-        for i, (lp, _) in enumerate(outs[0].prompt_logprobs):
+        for i, (lp, _, _) in enumerate(outs[0].prompt_logprobs):
             assert lp == pytest.approx(float(rows[i, prompts(0)[i + 1]]), abs=1e-3)
     finally:
         await engine.stop()

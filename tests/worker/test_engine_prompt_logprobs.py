@@ -36,8 +36,11 @@ async def _outputs(engine: Engine, rid: str, prompt: list[int], params: Sampling
 
 def _check(first: TokenOutput, prompt: list[int], rows: torch.Tensor, k: int) -> None:
     assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == len(prompt) - 1
-    for i, (lp, top) in enumerate(first.prompt_logprobs):
-        assert lp == pytest.approx(float(rows[i, prompt[i + 1]]), abs=TOLERANCE)
+    for i, (lp, rank, top) in enumerate(first.prompt_logprobs):
+        want = float(rows[i, prompt[i + 1]])
+        assert lp == pytest.approx(want, abs=TOLERANCE)
+        # vLLM's rank: the tokens at least as likely, itself included (bounds allow for near ties)
+        assert int((rows[i] > want + TOLERANCE).sum()) + 1 <= rank <= int((rows[i] >= want - TOLERANCE).sum())
         values, ids = rows[i].topk(k)
         assert list(top) == ids.tolist() and list(top.values()) == pytest.approx(values.tolist(), abs=TOLERANCE)
 

@@ -241,8 +241,14 @@ def test_prompt_logprobs_over_http(worker: Worker) -> None:
     assert len(scores) == len(ids) and scores[0] is None
     for token_id, entry in zip(ids[1:], scores[1:], strict=True):
         assert str(token_id) in entry and 2 <= len(entry) <= 3
-        ranked = sorted((v["rank"], v["logprob"]) for v in entry.values() if v["rank"] is not None)
-        assert [r for r, _ in ranked][:2] == [1, 2] and ranked[0][1] >= ranked[1][1]
+        ranks = {i: v["rank"] for i, v in entry.items()}
+        if len(entry) == 2:  # the prompt token is one of the top 2
+            assert sorted(ranks.values()) == [1, 2]
+        else:  # ranked over the whole vocabulary, below the top 2 (not None as before)
+            assert sorted(r for i, r in ranks.items() if i != str(token_id)) == [1, 2]
+            assert isinstance(ranks[str(token_id)], int) and ranks[str(token_id)] >= 3
+        by_rank = sorted((v["rank"], -v["logprob"]) for v in entry.values())
+        assert [lp for _, lp in by_rank] == sorted(lp for _, lp in by_rank)
         assert all(v["logprob"] <= 0 and isinstance(v["decoded_token"], str) for v in entry.values())
     # echo with logprobs scores the prompt with the same numbers (vLLM)
     echo = worker.complete("tiny-llama", ids, max_tokens=1, echo=True, logprobs=1)["choices"][0]

@@ -266,6 +266,6 @@ async def test_prompt_logprobs_and_a_draft_on_the_last_prefill_chunk(make_engine
     plain, spec = outs
     assert [o.token_id for o in spec] == [o.token_id for o in plain]
     assert spec[0].prompt_logprobs is not None and plain[0].prompt_logprobs is not None
-    for (a, ta), (b, tb) in zip(spec[0].prompt_logprobs, plain[0].prompt_logprobs, strict=True):
+    for (a, _, ta), (b, _, tb) in zip(spec[0].prompt_logprobs, plain[0].prompt_logprobs, strict=True):
         assert abs(a - b) < 1e-3 and ta.keys() == tb.keys()
     assert engine.stats.spec_drafts > 0

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from lorafleet_worker.api.protocol import APIError
 from lorafleet_worker.core.errors import EngineUnavailableError
+from lorafleet_worker.sample.params import PromptLogprob
 from lorafleet_worker.service import WorkerService
 from lorafleet_worker.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -84,7 +85,7 @@ class Generation:
         self._detok = IncrementalDetokenizer(service.tokenizer, prompt_ids)
         self._stops = StopStringMatcher(stop)
         self._min_tokens = params.min_tokens  # stop strings are not looked for in these tokens' text (as vLLM)
-        self.prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None
+        self.prompt_logprobs: list[PromptLogprob] | None = None
         self._silent_ids = set(params.stop_token_ids) | set(service.eos_token_ids)
         self._text_len = 0
         self._t0 = time.monotonic()

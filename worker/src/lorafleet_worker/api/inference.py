@@ -127,7 +127,7 @@ def _add_echo(
         ids = c.gen.prompt_ids
         offset = 0
         for i, token_id in enumerate(ids):
-            lp, best = (None, None) if i == 0 else scores[i - 1]
+            lp, best = (None, None) if i == 0 else (scores[i - 1].logprob, scores[i - 1].top)
             best = None if best is None else dict(list(best.items())[: top or 0])
             c.echo_tokens.append(TokenInfo(token_id, lp, best, offset))
             offset += len(tok.token_text(token_id))

@@ -94,7 +94,7 @@ class _Shaper:
 class CompletionShaper(_Shaper):
     """Completions; with `prompt_logprobs` (k), each choice of the complete response carries vLLM's
     `prompt_logprobs`: None for the first prompt token, then {token id: {"logprob", "rank", "decoded_token"}}
-    for the prompt token and the k most likely there (the prompt token's rank is None when not among them)."""
+    for the prompt token and the k most likely there (the prompt token's rank is over the whole vocabulary)."""
 
     object_name = chunk_object_name = "text_completion"
     id_prefix = "cmpl"
@@ -117,10 +117,11 @@ class CompletionShaper(_Shaper):
         if self._prompt_top is None or scores is None:
             return None
         out: list[dict[str, Any] | None] = [None]
-        for token_id, (lp, top) in zip(c.gen.prompt_ids[1:], scores, strict=True):
-            best = list(top.items())[: self._prompt_top]
+        for token_id, scored in zip(c.gen.prompt_ids[1:], scores, strict=True):
+            best = list(scored.top.items())[: self._prompt_top]
             ranks = {i: r for r, (i, _) in enumerate(best, 1)}
-            entries = {token_id: lp, **dict(best)}
+            ranks[token_id] = scored.rank
+            entries = {token_id: scored.logprob, **dict(best)}
             out.append(
                 {
                     str(i): {"logprob": v, "rank": ranks.get(i), "decoded_token": self.token_str(i)}

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lorafleet_worker.sample.params import SamplingParams
+from lorafleet_worker.sample.params import PromptLogprob, SamplingParams
 from lorafleet_worker.sample.sampler import SamplingState
 from lorafleet_worker.structured.grammar import CompiledGrammar
 
@@ -42,8 +42,8 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     slot_wait_since: float | None = None
     finish_reason: str | None = None
-    # (logprob, top-k) of prompt tokens 1.. when params.prompt_logprobs is set (filled as the prompt is computed)
-    prompt_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    # prompt tokens 1.. scored when params.prompt_logprobs is set (filled as the prompt is computed)
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
     @classmethod
     def create(

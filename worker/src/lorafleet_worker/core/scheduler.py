@@ -37,7 +37,7 @@ from lorafleet_worker.core.kv_cache_manager import KVCacheManager
 from lorafleet_worker.core.request import SeqStatus, Sequence
 from lorafleet_worker.core.step import RunnerOutput, ScheduledChunk, StepPlan
 from lorafleet_worker.lora.manager import AdapterManager
-from lorafleet_worker.sample.params import SampledToken, TokenOutput
+from lorafleet_worker.sample.params import PromptLogprob, SampledToken, TokenOutput
 from lorafleet_worker.spec_decode.config import SpeculativeConfig
 from lorafleet_worker.spec_decode.ngram import NgramProposer
 from lorafleet_worker.structured.manager import StructuredOutputManager
@@ -395,7 +395,7 @@ class Scheduler:
         return None
 
     @staticmethod
-    def _prompt_logprobs_of(seq: Sequence) -> list[tuple[float, dict[int, float]]] | None:
+    def _prompt_logprobs_of(seq: Sequence) -> list[PromptLogprob] | None:
         return None if seq.params.prompt_logprobs is None else list(seq.prompt_logprobs)
 
     # ------------------------------------------------------------------ stats

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lorafleet_worker.core.request import Sequence
-from lorafleet_worker.sample.params import SampledToken
+from lorafleet_worker.sample.params import PromptLogprob, SampledToken
 
 
 @dataclass
@@ -69,4 +69,4 @@ class RunnerOutput:
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     verified: dict[str, list[SampledToken]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[tuple[float, dict[int, float]]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)

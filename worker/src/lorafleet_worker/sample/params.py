@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 MAX_LOGPROBS = 20
 
@@ -55,14 +56,22 @@ class SamplingParams:
         return self.temperature == 0
 
 
+class PromptLogprob(NamedTuple):
+    """One prompt token scored under the logits of the position before it (vLLM's `prompt_logprobs`)."""
+
+    logprob: float
+    rank: int  # 1 + the number of vocabulary tokens at least as likely, other than itself (vLLM's rank)
+    top: dict[int, float]  # the row's top-k token ids and logprobs, most likely first
+
+
 @dataclass
 class TokenOutput:
     token_id: int
     logprob: float  # log-softmax of the (temperature-free) logits
     top_logprobs: dict[int, float] | None
     finish_reason: str | None  # None while running; "stop" | "length" | "abort"
-    # on a request's first output when prompt_logprobs was asked: (logprob, top-k) of prompt tokens 1..n-1
-    prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None
+    # on a request's first output when prompt_logprobs was asked: prompt tokens 1..n-1 scored
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 @dataclass

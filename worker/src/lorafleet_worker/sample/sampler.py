@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lorafleet_worker.ops import cpu_attention
 from lorafleet_worker.sample.logits_processors import LogitsProcessor, build_processors
-from lorafleet_worker.sample.params import SampledToken, SamplingParams
+from lorafleet_worker.sample.params import PromptLogprob, SampledToken, SamplingParams
 
 
 @dataclass(eq=False)
@@ -185,13 +185,16 @@ def _plain_greedy(logits: Tensor, states: Sequence[SamplingState]) -> list[Sampl
     return [SampledToken(t, lp, None) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
 
 
-def prompt_logprobs(logits: Tensor, targets: Sequence[int], k: int) -> list[tuple[float, dict[int, float]]]:
-    """Logprob of each target token under its row of `logits` ([N, V]) and the row's top-k."""
+def prompt_logprobs(logits: Tensor, targets: Sequence[int], k: int) -> list[PromptLogprob]:
+    """Each target token scored under its row of `logits` ([N, V]): its logprob, its rank (vLLM's: the
+    number of tokens with a logprob at least as high, itself included) and the row's top-k."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])[:, 0].tolist()
+    chosen_t = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
+    ranks = (logprobs >= chosen_t).sum(dim=-1).tolist()
+    chosen = chosen_t[:, 0].tolist()
     if k:
         tv, ti = logprobs.topk(k, dim=-1)
         tops = [dict(zip(i, v, strict=True)) for i, v in zip(ti.tolist(), tv.tolist(), strict=True)]
     else:
         tops = [{} for _ in targets]
-    return list(zip(chosen, tops, strict=True))
+    return [PromptLogprob(lp, r, top) for lp, r, top in zip(chosen, ranks, tops, strict=True)]
