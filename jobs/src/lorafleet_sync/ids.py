@@ -3,8 +3,25 @@
 from __future__ import annotations
 
 import hashlib
+import re
 
 import blake3
+
+_LORA_NAME = re.compile(r"[A-Za-z0-9._/-]{1,128}")
+LORA_NAME_RULE = "1-128 characters of [A-Za-z0-9._/-], no '..'"
+
+
+def lora_name_problem(name: str) -> str | None:
+    """Why `name` is not a valid adapter name (SPEC §2: `LORA_NAME_RULE`), or None when it is.
+
+    >>> lora_name_problem("org/my-lora.v2") is None
+    True
+    >>> lora_name_problem("../etc")
+    "invalid lora_name '../etc': 1-128 characters of [A-Za-z0-9._/-], no '..'"
+    """
+    if _LORA_NAME.fullmatch(name) and ".." not in name:
+        return None
+    return f"invalid lora_name {name[:140]!r}: {LORA_NAME_RULE}"
 
 
 def lora_id(name: str) -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -23,14 +22,12 @@ from pathlib import Path
 from typing import Protocol
 
 from lorafleet_sync.errors import SourceError
-from lorafleet_sync.ids import lora_id
+from lorafleet_sync.ids import lora_id, lora_name_problem
 
 from lorafleet_sidecar.metrics import SidecarMetrics
 from lorafleet_sidecar.vllm import VllmClient, VllmError
 
 log = logging.getLogger(__name__)
-
-LORA_NAME = re.compile(r"[A-Za-z0-9._/-]{1,128}")
 
 
 class ManagementError(Exception):
@@ -178,5 +175,5 @@ class VllmAdapters:
 
 def check_name(name: str) -> None:
     """SPEC §2: 1-128 characters of ``[A-Za-z0-9._/-]``, no ``..``."""
-    if not LORA_NAME.fullmatch(name) or ".." in name:
-        raise ManagementError(400, f"invalid lora_name {name[:140]!r}: 1-128 characters of [A-Za-z0-9._/-], no '..'")
+    if problem := lora_name_problem(name):
+        raise ManagementError(400, problem)

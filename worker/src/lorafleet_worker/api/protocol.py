@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
+from lorafleet_sync.ids import lora_name_problem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-LORA_NAME_RE = re.compile(r"^[A-Za-z0-9._/-]{1,128}$")
 
 
 class APIError(Exception):
@@ -27,10 +25,8 @@ class APIError(Exception):
 
 def check_lora_name(name: str) -> str:
     """SPEC §2: 1–128 chars of `[A-Za-z0-9._/-]`, no `..`."""
-    if not LORA_NAME_RE.fullmatch(name) or ".." in name:
-        raise APIError(
-            400, f"invalid lora_name {name[:140]!r}: 1-128 characters of [A-Za-z0-9._/-], no '..'", param="lora_name"
-        )
+    if problem := lora_name_problem(name):
+        raise APIError(400, problem, param="lora_name")
     return name
 
 
