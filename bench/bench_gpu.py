@@ -341,71 +341,102 @@ async def bench_shape(
     prompt_len: int,
     max_tokens: int,
     rates: dict[str, float],
+    graph_sizes: tuple[int, ...] = (0,),
 ) -> list[dict[str, Any]]:
     """Decode and prefill of `num_seqs` sequences on a model of `shape` (random weights on the device), base
-    and over each family's first n adapters, set against the measured bandwidth and matmul rate."""
-    from lorafleet_worker.core.engine import Engine
+    and over each family's first n adapters, set against the measured bandwidth and matmul rate; eagerly and
+    with the decode steps replayed from CUDA graphs (`graph_sizes`: the engine's `cuda_graph_max_bs`, 0 = eager)."""
 
     elem = 4 if dtype == "float32" else 2
     rows = []
     for family, adapters in families.items():
-        engine = Engine(
-            model_dir,
-            device=device,
-            dtype=dtype,
-            load_format="dummy",
-            max_loras=max(1, len(adapters)),
-            max_lora_rank=max(r for _, r in adapters),
-            max_num_seqs=num_seqs,
-            max_model_len=prompt_len + max_tokens + 16,
-            lora_backend="triton",
-        )
-        await engine.start()
-        try:
-            names = [f"{family}-{i:03d}" for i in range(len(adapters))]
-            for name, (path, _) in zip(names, adapters, strict=True):
-                await engine.add_adapter(name, path)
-            for n in counts[family]:
-                await _decode_run(
-                    engine, names[:n], num_seqs, prompt_len, 4
-                )  # warm-up at the timed shapes (jit), slots
-                res = await _decode_run(engine, names[:n], num_seqs, prompt_len, max_tokens)
-                ranks = [r for _, r in adapters[:n]]
-                need = decode_step_bytes(
-                    shape, num_seqs=num_seqs, context=prompt_len + max_tokens / 2, elem=elem, adapter_ranks=ranks
-                )
-                step_s = num_seqs / res["decode_tokens_per_s"] if res["decode_tokens_per_s"] else None
-                flops = prefill_flops(shape, num_seqs=num_seqs, prompt_len=prompt_len)
-                row: dict[str, Any] = {
-                    "shape": shape.name,
-                    "family": "base" if n == 0 else family,
-                    "adapters": n,
-                    "ranks": sorted(set(ranks)),
-                    "num_seqs": num_seqs,
-                    "prompt_len": prompt_len,
-                    "max_tokens": max_tokens,
-                    **res,
-                    "step_ms": round(step_s * 1e3, 2) if step_s else None,
-                    "step_bytes": need,
-                    "step_GBps": round(need["total"] / step_s / 1e9, 1) if step_s else None,
-                    "pct_measured_bw": round(100 * need["total"] / step_s / 1e9 / rates["copy_GBps"], 1)
-                    if step_s
-                    else None,
-                    "prefill_flops": flops,
-                    "prefill_TFLOPs": round(flops / res["prefill_s"] / 1e12, 2) if res["prefill_s"] > 0 else None,
-                }
-                if row["prefill_TFLOPs"] is not None:
-                    row["pct_measured_matmul"] = round(100 * row["prefill_TFLOPs"] / rates["matmul_TFLOPs"], 1)
-                rows.append(row)
-                log(
-                    f"{shape.name} {row['family']} adapters={n}: {res['decode_tokens_per_s']} decode tok/s, "
-                    f"step {row['step_ms']} ms ({row['pct_measured_bw']} % of measured bandwidth), "
-                    f"prefill {res['prefill_s']} s"
-                )
-        finally:
-            await engine.stop()
-            del engine
-            release_device_memory()
+        for graphs in graph_sizes:
+            rows += await _shape_family(
+                shape, model_dir, family, adapters, counts[family], graphs,
+                device=device, dtype=dtype, num_seqs=num_seqs, prompt_len=prompt_len, max_tokens=max_tokens,
+                rates=rates, elem=elem,
+            )  # fmt: skip
+    return rows
+
+
+async def _shape_family(
+    shape: Shape,
+    model_dir: Path,
+    family: str,
+    adapters: list[tuple[Path, int]],
+    counts: tuple[int, ...],
+    graphs: int,
+    *,
+    device: str,
+    dtype: str,
+    num_seqs: int,
+    prompt_len: int,
+    max_tokens: int,
+    rates: dict[str, float],
+    elem: int,
+) -> list[dict[str, Any]]:
+    """`bench_shape`'s rows of one adapter family on one engine (`graphs`: its cuda_graph_max_bs)."""
+    from lorafleet_worker.core.engine import Engine
+
+    rows = []
+    engine = Engine(
+        model_dir,
+        device=device,
+        dtype=dtype,
+        load_format="dummy",
+        max_loras=max(1, len(adapters)),
+        max_lora_rank=max(r for _, r in adapters),
+        max_num_seqs=num_seqs,
+        max_model_len=prompt_len + max_tokens + 16,
+        lora_backend="triton",
+        cuda_graph_max_bs=graphs,
+    )
+    await engine.start()
+    try:
+        names = [f"{family}-{i:03d}" for i in range(len(adapters))]
+        for name, (path, _) in zip(names, adapters, strict=True):
+            await engine.add_adapter(name, path)
+        for n in counts:
+            await _decode_run(engine, names[:n], num_seqs, prompt_len, 4)  # warm-up at the timed shapes (jit), slots
+            res = await _decode_run(engine, names[:n], num_seqs, prompt_len, max_tokens)
+            ranks = [r for _, r in adapters[:n]]
+            need = decode_step_bytes(
+                shape, num_seqs=num_seqs, context=prompt_len + max_tokens / 2, elem=elem, adapter_ranks=ranks
+            )
+            step_s = num_seqs / res["decode_tokens_per_s"] if res["decode_tokens_per_s"] else None
+            flops = prefill_flops(shape, num_seqs=num_seqs, prompt_len=prompt_len)
+            row: dict[str, Any] = {
+                "shape": shape.name,
+                "family": "base" if n == 0 else family,
+                "cuda_graphs": graphs,
+                "adapters": n,
+                "ranks": sorted(set(ranks)),
+                "num_seqs": num_seqs,
+                "prompt_len": prompt_len,
+                "max_tokens": max_tokens,
+                **res,
+                "step_ms": round(step_s * 1e3, 2) if step_s else None,
+                "step_bytes": need,
+                "step_GBps": round(need["total"] / step_s / 1e9, 1) if step_s else None,
+                "pct_measured_bw": round(100 * need["total"] / step_s / 1e9 / rates["copy_GBps"], 1)
+                if step_s
+                else None,
+                "prefill_flops": flops,
+                "prefill_TFLOPs": round(flops / res["prefill_s"] / 1e12, 2) if res["prefill_s"] > 0 else None,
+            }
+            if row["prefill_TFLOPs"] is not None:
+                row["pct_measured_matmul"] = round(100 * row["prefill_TFLOPs"] / rates["matmul_TFLOPs"], 1)
+            rows.append(row)
+            log(
+                f"{shape.name} {row['family']} adapters={n} graphs={graphs}: "
+                f"{res['decode_tokens_per_s']} decode tok/s, "
+                f"step {row['step_ms']} ms ({row['pct_measured_bw']} % of measured bandwidth), "
+                f"prefill {res['prefill_s']} s"
+            )
+    finally:
+        await engine.stop()
+        del engine
+        release_device_memory()
     return rows
 
 
@@ -470,6 +501,7 @@ def shape_run(args: argparse.Namespace, device: Any, timer: Callable) -> dict[st
             prompt_len=args.shape_prompt_len,
             max_tokens=args.max_tokens,
             rates=rates,
+            graph_sizes=(0,) if args.dry_run or not args.cuda_graph_max_bs else (0, args.cuda_graph_max_bs),
         )
     )
     return {"shape": shape.name, "measured": rates, "runs": rows}
@@ -520,16 +552,18 @@ def markdown(payload: dict[str, Any]) -> str:
             f"Measured: device-to-device copy {m['copy_GBps']:.0f} GB/s, bf16 matmul {m['matmul_TFLOPs']:.0f} TFLOP/s. "
             "A decode step must read the weights, each sequence's KV and each distinct adapter once.",
             "",
-            "| adapters | ranks | seqs | prompt | decode tok/s | vs base | step ms | GB/step | % measured BW | "
-            "prefill s | prefill TFLOP/s | % measured matmul |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| CUDA graphs | adapters | ranks | seqs | prompt | decode tok/s | vs base | step ms | GB/step | "
+            "% measured BW | prefill s | prefill TFLOP/s | % measured matmul |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        base = next((r["decode_tokens_per_s"] for r in ms["runs"] if r["adapters"] == 0), None)
+        bases = {r.get("cuda_graphs", 0): r["decode_tokens_per_s"] for r in ms["runs"] if r["adapters"] == 0}
         for r in ms["runs"]:
-            v = r["decode_tokens_per_s"]
+            graphs = r.get("cuda_graphs", 0)
+            v, base = r["decode_tokens_per_s"], bases.get(graphs)
             rel = f"{v / base:.2f}" if base and v else "-"
             lines.append(
-                f"| {r['adapters']} | {r['ranks'] or '-'} | {r['num_seqs']} | {r['prompt_len']} | {v} | {rel} | "
+                f"| {graphs or 'eager'} | {r['adapters']} | {r['ranks'] or '-'} | {r['num_seqs']} | "
+                f"{r['prompt_len']} | {v} | {rel} | "
                 f"{r['step_ms']} | {r['step_bytes']['total'] / 1e9:.2f} | {r['pct_measured_bw']} | {r['prefill_s']} | "
                 f"{r['prefill_TFLOPs']} | {r.get('pct_measured_matmul', '-')} |"
             )
@@ -550,6 +584,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="weight-only quantizations (--quantization) also run end to end with the first backend; '' for none",
     )
     p.add_argument("--skip-shape", action="store_true", help="skip the end-to-end run on the Llama-3-8B shape")
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=64,
+        help="the Llama-3-8B-shape run also with decode steps replayed from CUDA graphs (0: eager only)",
+    )
     p.add_argument("--shape-prompt-len", type=int, default=512, help="prompt tokens of the Llama-3-8B-shape run")
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)

@@ -5,7 +5,7 @@ For each case it reports the decode steps in the profiled window, the wall time 
 launched per step, the GPU's busy time per step (the sum of kernel times) and so the share of the step the
 GPU is idle (waiting for the host to launch work), plus the kernels that take the most time.
 
-    python bench/profile_gpu.py --out bench/gpu-profile.json     # needs CUDA
+    python bench/profile_gpu.py --out bench/gpu-profile.json     # needs CUDA; --cuda-graph-max-bs 64: graphs
     python bench/profile_gpu.py --dry-run     # tiny shape; on CPU under TRITON_INTERPRET=1 (checks the script)
 """
 
@@ -115,6 +115,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
         max_num_seqs=args.num_seqs,
         max_model_len=args.prompt_len + args.max_tokens + 16,
         lora_backend="triton",
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
     await engine.start()
     rows = []
@@ -142,16 +143,21 @@ async def run(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="tiny shape (on CPU: under TRITON_INTERPRET=1)")
     p.add_argument("--adapters", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 16, 64])
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=33)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=0, help="decode steps replayed from CUDA graphs (0: eager)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.dry_run:
         args.adapters, args.num_seqs, args.prompt_len, args.max_tokens = [0, 1, 2], 4, 16, 5
+        if not torch.cuda.is_available():
+            args.cuda_graph_max_bs = 0  # CPU: eager only
     rows = asyncio.run(run(args))
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2) + "\n")

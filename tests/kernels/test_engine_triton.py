@@ -9,16 +9,19 @@ torch backend on the same GPU, in fp32 and bf16, and with int8 / int4 weight-onl
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from lorafleet_worker.core.cuda_graphs import DecodeGraphs, capture_sizes
 from lorafleet_worker.core.engine import Engine
 from lorafleet_worker.kernels import paged_attention
 from lorafleet_worker.lora.backends import triton as triton_backend
 from lorafleet_worker.lora.backends.triton import TritonLoRABackend
 from lorafleet_worker.lora.batch import LoRABatchInfo
+from lorafleet_worker.model.forward_batch import ForwardBatch, LoRAContext
 from lorafleet_worker.model.quantization import METHODS as QUANTIZATIONS
 from lorafleet_worker.sample.params import SamplingParams, TokenOutput
 from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
@@ -53,10 +56,11 @@ async def _run(
     device: str = "cpu",
     dtype: str = "float32",
     quantization: str | None = None,
+    cuda_graph_max_bs: int = 0,
 ) -> tuple[Outputs, int]:
     engine = Engine(
         model, device=device, dtype=dtype, max_loras=4, max_lora_rank=16, lora_backend=backend,
-        quantization=quantization,
+        quantization=quantization, cuda_graph_max_bs=cuda_graph_max_bs,
     )  # fmt: skip
     # the paged-attention kernel goes with the Triton backend; on CPU the torch LoRA backend gets the C++
     # decode attention where it builds (model/cpu_attention.py), else the torch one
@@ -192,3 +196,103 @@ async def test_quantized_triton_engine_on_cuda_matches_torch(
         if q.token_id == p.token_id
     )
     assert worst > 0, "the quantized run gave the unquantized logprobs: the weights were not quantized"
+
+
+# --- CUDA graphs (core/cuda_graphs.py) ------------------------------------------------------------------------
+
+
+async def test_a_padded_graph_batch_computes_the_step(
+    model_and_adapters: tuple[Path, dict[str, Path]], device: torch.device
+) -> None:
+    """What a decode graph reads: a step of 3 sequences (two adapters, one base row) copied into the static
+    buffers of bucket 4, the padding row repeating row 0. Its forward pass (run eagerly here, replayed from a
+    graph on CUDA) gives the step's logits, and leaves the KV cache exactly as the plain step leaves it."""
+    model, adapters = model_and_adapters
+    engine = Engine(model, device=device.type, dtype="float32", max_loras=4, max_lora_rank=16, lora_backend="triton")
+    await engine.start()
+    try:
+        for name in ("r2", "r16"):
+            await engine.add_adapter(name, adapters[name])
+            params = SamplingParams(max_tokens=1, temperature=0.0)
+            [_ async for _ in engine.generate(f"warm-{name}", PROMPT, params, adapter=name)]  # into a GPU slot
+        core = engine.core
+        assert core.manager is not None and core.runner.lora_backend is not None
+        runner, kv = core.runner, core.runner.kv
+        slots = [core.manager.slot_of("r16"), -1, core.manager.slot_of("r2")]
+        assert None not in slots
+        block, gen = kv.block_size, torch.Generator().manual_seed(0)
+        for cache in (*kv.k_caches, *kv.v_caches):
+            cache.copy_(torch.randn(cache.shape, generator=gen).to(cache.device, cache.dtype))
+        lens = [2 * block + 1, 5, 3 * block]  # contexts (the new token included) over distinct blocks
+        tables = [[1, 2, 3], [4, 0, 0], [5, 6, 7]]
+        pos = [n - 1 for n in lens]
+        batch = ForwardBatch(
+            input_ids=torch.tensor([11, 52, 97], device=device),
+            positions=torch.tensor(pos, device=device),
+            slot_mapping=torch.tensor(
+                [t[p // block] * block + p % block for t, p in zip(tables, pos, strict=True)], device=device
+            ),
+            num_decode=3,
+            decode_block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            decode_seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            prefills=[],
+            logits_indices=torch.arange(3, device=device),
+        )
+        token_slots = torch.tensor(slots, dtype=torch.int32)
+        before = [c.clone() for c in (*kv.k_caches, *kv.v_caches)]
+        batch.lora = LoRAContext(
+            runner.lora_backend, runner.lora_pool, runner.lora_backend.prepare(token_slots.to(device))
+        )
+        want = runner.model(batch, kv)
+        after_step = [c.clone() for c in (*kv.k_caches, *kv.v_caches)]
+        for cache, saved in zip((*kv.k_caches, *kv.v_caches), before, strict=True):
+            cache.copy_(saved)
+
+        graphs = DecodeGraphs(
+            runner.model, kv, max_bs=8, max_model_len=64, lora_backend=runner.lora_backend, lora_pool=runner.lora_pool
+        )
+        assert graphs.sizes == (1, 2, 4, 8) and graphs.bucket(3) == 4
+        graphs.fill(batch, token_slots, 4)
+        assert graphs.token_slots[:4].tolist() == [*slots, slots[0]]  # the padding row repeats row 0
+        got = runner.model(graphs.static_batch(4, lora=True), kv)
+        torch.testing.assert_close(got[:3], want, atol=1e-5, rtol=1e-5)
+        for cache, expected in zip((*kv.k_caches, *kv.v_caches), after_step, strict=True):
+            torch.testing.assert_close(cache, expected, atol=0, rtol=0)  # the padding wrote nothing new
+        assert not torch.allclose(want[0], want[2]), "the two adapters' rows should differ"
+    finally:
+        await engine.stop()
+
+
+def test_capture_sizes() -> None:
+    assert capture_sizes(1) == (1,)
+    assert capture_sizes(20) == (1, 2, 4, 8, 16, 20)
+    assert capture_sizes(256)[-3:] == (192, 224, 256)
+    with pytest.raises(ValueError, match="between 1 and 256"):
+        capture_sizes(257)
+
+
+def test_cuda_graphs_need_cuda_and_the_triton_backend(model_and_adapters: tuple[Path, dict[str, Path]]) -> None:
+    model, _ = model_and_adapters
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs --device cuda"):
+            Engine(model, device="cpu", dtype="float32", max_loras=2, cuda_graph_max_bs=8)
+    else:
+        with pytest.raises(ValueError, match="triton LoRA backend"):
+            Engine(model, device="cuda", dtype="float32", max_loras=2, lora_backend="torch", cuda_graph_max_bs=8)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_cuda_graph_decode_matches_eager(
+    model_and_adapters: tuple[Path, dict[str, Path]], dtype: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Compiled: decode steps replayed from CUDA graphs give eager's tokens and logprobs, with 4 requests
+    (bucket 4) and with 3 (bucket 4, one padding row), base and adapters mixed."""
+    model, adapters = model_and_adapters
+    for subset in (adapters, {k: adapters[k] for k in ("r2", "r16")}):
+        eager, _ = await _run(model, subset, "triton", device="cuda", dtype=dtype)
+        with caplog.at_level(logging.INFO, logger="lorafleet_worker.core.cuda_graphs"):
+            graphed, _ = await _run(model, subset, "triton", device="cuda", dtype=dtype, cuda_graph_max_bs=8)
+        assert "captured the decode CUDA graph of 4 sequences with LoRA" in caplog.text
+        _assert_parity(graphed, eager, subset, LOGPROB_TOL[dtype])
+        caplog.clear()

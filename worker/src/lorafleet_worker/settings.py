@@ -271,6 +271,16 @@ class WorkerSettings:
         engine="jump_forward",
         action=argparse.BooleanOptionalAction,
     )
+    cuda_graph_max_bs: int = option(
+        0,
+        "--cuda-graph-max-bs",
+        help="CUDA: decode steps of up to N sequences replay CUDA graphs captured per batch size (SGLang's flag; "
+        "at most 256); needs the triton LoRA backend",
+        shown="0: eager",
+        engine="cuda_graph_max_bs",
+        type=int,
+        metavar="N",
+    )
     lora_backend: str = option(
         "auto",
         "--lora-backend",

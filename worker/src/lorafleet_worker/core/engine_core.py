@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from lorafleet_worker.config import ModelConfig
+from lorafleet_worker.core.cuda_graphs import DecodeGraphs
 from lorafleet_worker.core.kv_cache import PagedKVCache
 from lorafleet_worker.core.kv_cache_manager import KVCacheManager
 from lorafleet_worker.core.kv_events import KVEventsConfig
@@ -63,6 +64,14 @@ def _attention_backend(lora_backend: str, device: torch.device) -> str:
     return "torch"
 
 
+def _check_graphs(device: torch.device, lora_backend: str | None, attn_backend: str) -> None:
+    """CUDA graphs need CUDA, and kernels that read only device buffers: the Triton LoRA backend (or none)."""
+    if device.type != "cuda":
+        raise ValueError(f"cuda_graph_max_bs needs --device cuda (got {device.type}); 0 runs eagerly")
+    if lora_backend not in (None, "triton") or attn_backend == "cpu":
+        raise ValueError("cuda_graph_max_bs needs the triton LoRA backend (--lora-backend triton or auto)")
+
+
 def _max_model_len(config: ModelConfig, requested: int | None) -> int:
     """`requested`, else the model's max_position_embeddings; above it is an error (as in vLLM)."""
     limit = config.max_position_embeddings
@@ -103,6 +112,7 @@ class EngineCore:
         load_format: str = "auto",
         speculative_config: SpeculativeConfig | None = None,
         jump_forward: bool = DEFAULTS.jump_forward,
+        cuda_graph_max_bs: int = DEFAULTS.cuda_graph_max_bs,
     ) -> None:
         """`dtype` / `lora_backend` "auto": see devices.py; `memory_budget` (a fraction or a size, see
         memory.py) sizes the KV cache unless `num_kv_blocks` is given; `enable_prefix_caching`: see
@@ -110,7 +120,9 @@ class EngineCore:
         weight-only int8 / int4 base linears (model/quantization.py), counted as such by the memory plan;
         `load_format` "dummy": random weights of the config's shapes, built on the device (`Transformer`);
         `speculative_config`: n-gram speculative decoding (spec_decode/); `jump_forward`: a grammar's forced
-        tokens are computed in one step as a draft that is always accepted (the scheduler's drafts)."""
+        tokens are computed in one step as a draft that is always accepted (the scheduler's drafts);
+        `cuda_graph_max_bs`: decode steps of up to this many sequences replay CUDA graphs (cuda_graphs.py;
+        CUDA only, 0 = eager)."""
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.device = torch.device(device)
@@ -172,15 +184,24 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             self.model_dir, vocab_size=self.config.vocab_size, eos_token_ids=self.config.eos_token_ids
         )
-        self.runner = ModelRunner(
-            model,
-            PagedKVCache(
-                self.config, num_blocks=num_kv_blocks, block_size=block_size, device=self.device, dtype=self.dtype
-            ),
-            self.structured,
-            lora_backend=get_backend(backend_name, self.device) if self.manager is not None else None,
-            lora_pool=self.manager.pool if self.manager is not None else None,
+        kv = PagedKVCache(
+            self.config, num_blocks=num_kv_blocks, block_size=block_size, device=self.device, dtype=self.dtype
         )
+        backend = get_backend(backend_name, self.device) if self.manager is not None else None
+        lora_pool = self.manager.pool if self.manager is not None else None
+        graphs = None
+        if cuda_graph_max_bs:
+            _check_graphs(self.device, backend_name if backend is not None else None, attn_backend)
+            graphs = DecodeGraphs(
+                model,
+                kv,
+                max_bs=min(cuda_graph_max_bs, max_num_seqs),
+                max_model_len=self.max_model_len,
+                lora_backend=backend,
+                lora_pool=lora_pool,
+            )
+            log.info("CUDA graphs for decode steps of up to %d sequences: %s", graphs.sizes[-1], graphs.sizes)
+        self.runner = ModelRunner(model, kv, self.structured, lora_backend=backend, lora_pool=lora_pool, graphs=graphs)
         self.kv_cache = KVCacheManager(
             num_kv_blocks, block_size, enable_prefix_caching=enable_prefix_caching, kv_events=kv_events
         )

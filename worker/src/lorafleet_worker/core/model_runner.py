@@ -3,8 +3,9 @@ and runs one step: a scheduler plan in, each generating request's sampled token 
 
 A step zeroes the KV blocks handed out for it, starts the grammar masks of the rows that sample (they are
 filled in the structured-output manager's thread while the forward pass runs), builds the flat batch
-(batch_builder.py), runs the forward pass with the step's LoRA context, scores prompt positions that asked
-for logprobs, and samples under the masks.
+(batch_builder.py), runs the forward pass with the step's LoRA context (a plain decode step as the replay of
+a CUDA graph where those are on: cuda_graphs.py), scores prompt positions that asked for logprobs, and
+samples under the masks.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lorafleet_worker.core.batch_builder import build_forward_batch
+from lorafleet_worker.core.cuda_graphs import DecodeGraphs
 from lorafleet_worker.core.kv_cache import PagedKVCache
 from lorafleet_worker.core.step import RunnerOutput, StepPlan
 from lorafleet_worker.lora.backends import LoRABackend
@@ -33,8 +35,10 @@ class ModelRunner:
         *,
         lora_backend: LoRABackend | None = None,
         lora_pool: LoRAPool | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
+        self.graphs = graphs
         self.kv = kv
         self.structured = structured
         self.lora_backend = lora_backend
@@ -47,12 +51,15 @@ class ModelRunner:
         generating = [c for c in plan.chunks if c.generates]
         masks = self.structured.start_masks([c.seq.request_id for c in generating], [c.draft for c in generating])
         batch, token_slots = build_forward_batch(plan, self.kv.block_size, self.device)
-        backend, pool = self.lora_backend, self.lora_pool
-        if backend is not None and pool is not None and bool((token_slots >= 0).any()):
-            info = backend.prepare(token_slots.to(self.device, non_blocking=True))
-            batch.lora = LoRAContext(backend, pool, info)
         output = RunnerOutput()
-        logits = self._score_prompts(plan, self.model(batch, self.kv), output)
+        if self.graphs is not None and self.graphs.fits(plan):
+            logits = self.graphs.run(batch, token_slots)
+        else:
+            backend, pool = self.lora_backend, self.lora_pool
+            if backend is not None and pool is not None and bool((token_slots >= 0).any()):
+                info = backend.prepare(token_slots.to(self.device, non_blocking=True))
+                batch.lora = LoRAContext(backend, pool, info)
+            logits = self._score_prompts(plan, self.model(batch, self.kv), output)
         samplers = [c for c in plan.chunks if c.samples]
         if len(generating) < len(samplers):  # rows of requests with max_tokens=0 do not sample
             keep: list[int] = []

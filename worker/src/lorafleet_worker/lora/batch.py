@@ -65,3 +65,19 @@ def build_batch_info(token_slots: Tensor) -> LoRABatchInfo:
         segments=tuple(segments),
         segment_rows=tuple(rows),
     )
+
+
+def gathered_batch_info(token_slots: Tensor) -> LoRABatchInfo:
+    """A step's description for the gathered kernels alone (`TritonLoRABackend`), built without reading
+    `token_slots`: a CUDA graph's static buffer, whose values change from one replay to the next. The
+    segment fields are empty: `max_seg_len` 1 makes the backend take the per-token gathered layout."""
+    empty = token_slots.new_zeros(0)
+    return LoRABatchInfo(
+        token_slots=token_slots,
+        sorted_token_ids=empty,
+        seg_indptr=token_slots.new_zeros(1),
+        seg_slots=empty,
+        max_seg_len=1,
+        num_tokens=int(token_slots.numel()),
+        has_lora=True,
+    )
