@@ -142,7 +142,13 @@ class DecodeGraphs:
     def _capture(self, size: int, lora: bool) -> _Graph:
         started = time.monotonic()
         batch = self.static_batch(size, lora)
-        self.model(batch, self.kv)  # warm-up: compiles the Triton kernels and creates what the step caches
+        # warm-up on a side stream, as PyTorch's CUDA graph notes advise: compiles the Triton kernels, creates
+        # what the step caches (cuBLAS workspaces, LoRA slice offsets) outside the capture
+        side = torch.cuda.Stream(self.model.device)
+        side.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(side):
+            self.model(batch, self.kv)
+        torch.cuda.current_stream(self.model.device).wait_stream(side)
         torch.cuda.synchronize(self.model.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
