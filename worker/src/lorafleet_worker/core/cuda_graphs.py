@@ -151,7 +151,8 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.model.device).wait_stream(side)
         torch.cuda.synchronize(self.model.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: other threads (an adapter being copied into its slot) may use CUDA during a capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self.model(batch, self.kv)
         self._pool = graph.pool()
         entry = self._graphs[(size, lora)] = _Graph(graph, logits)
