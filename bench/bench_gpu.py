@@ -185,6 +185,64 @@ def bench_lora(
     }
 
 
+# Tile candidates of the gathered (decode) kernels, timed one by one at decode shapes (`tile_sweep`)
+SHRINK_TILES = [(k, w) for k in (128, 256, 512, 1024) for w in (4, 8)]  # (BLOCK_K, num_warps)
+EXPAND_TILES = [(n, w) for n in (64, 128, 256) for w in (4, 8)]  # (BLOCK_N, num_warps)
+DRY_SHRINK_TILES, DRY_EXPAND_TILES = [(16, 4), (32, 4)], [(16, 4)]
+
+
+def tile_sweep(shape: LoRAShape, dtype: Any, device: Any, timer: Callable, dry_run: bool) -> list[dict[str, Any]]:
+    """The gathered shrink and expand of one decode shape alone, with each candidate tile (the default marked):
+    the data for choosing `shrink_blocks` / `expand_blocks` on the device at hand."""
+    import torch
+    from lorafleet_worker.kernels.lora import ExpandBlocks, ShrinkBlocks, expand_blocks, lora_expand, lora_shrink
+    from lorafleet_worker.kernels.lora import shrink_blocks as default_shrink
+
+    from bench.kernel_inputs import random_proj_weights
+
+    adapter_ranks = [shape.ranks[i % len(shape.ranks)] for i in range(shape.num_adapters)]
+    n_slices, out_total = len(shape.widths), sum(shape.widths)
+    max_rank = max(adapter_ranks)
+    w = random_proj_weights(
+        in_dim=shape.in_dim,
+        widths=shape.widths,
+        ranks=[[r] * n_slices for r in adapter_ranks],
+        max_rank=max_rank,
+        dtype=dtype,
+        device=device,
+        poison=False,
+    )
+    slots = torch.tensor([i % shape.num_adapters for i in range(shape.num_tokens)], dtype=torch.int32, device=device)
+    x = torch.randn(shape.num_tokens, shape.in_dim, device=device, dtype=dtype)
+    out = torch.zeros(shape.num_tokens, out_total, device=device, dtype=dtype)
+    xa = torch.zeros(shape.num_tokens, n_slices, max_rank, device=device, dtype=torch.float32)
+    offs = torch.tensor(w.slice_offsets, dtype=torch.int32, device=device)
+    max_width = max(b - a for a, b in zip(w.slice_offsets, w.slice_offsets[1:], strict=False))
+    elem, rank_sum = x.element_size(), sum(adapter_ranks)
+    shrink_bytes = x.numel() * elem + rank_sum * n_slices * shape.in_dim * elem + xa.numel() * 4
+    expand_bytes = rank_sum * out_total * elem + xa.numel() * 4 + 2 * out.numel() * elem
+    default_s = default_shrink(in_dim=shape.in_dim, max_seg_len=1, dtype=dtype, gathered=True)
+    default_e = expand_blocks(max_width=max_width, max_seg_len=1, dtype=dtype, gathered=True)
+    rows = []
+    for block_k, warps in DRY_SHRINK_TILES if dry_run else SHRINK_TILES:
+        blk = ShrinkBlocks(1, 16, block_k, warps)
+        t = timer(lambda blk=blk: lora_shrink(x, w.A, w.ranks, xa, token_slots=slots, blocks=blk))
+        rows.append({"group": shape.group, "kernel": "shrink", "tile": block_k, "num_warps": warps,
+                     "default": blk == default_s, "us": round(t * 1e6, 2),
+                     "GBps": round(shrink_bytes / t / 1e9, 1)})  # fmt: skip
+    for block_n, warps in DRY_EXPAND_TILES if dry_run else EXPAND_TILES:
+        blk_e = ExpandBlocks(1, 16, block_n, warps)
+        t = timer(
+            lambda blk_e=blk_e: lora_expand(
+                xa, w.B, w.ranks, w.scalings, offs, max_width, out, token_slots=slots, blocks=blk_e
+            )
+        )
+        rows.append({"group": shape.group, "kernel": "expand", "tile": block_n, "num_warps": warps,
+                     "default": blk_e == default_e, "us": round(t * 1e6, 2),
+                     "GBps": round(expand_bytes / t / 1e9, 1)})  # fmt: skip
+    return rows
+
+
 def torch_decode_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, seq_lens: Any, scale: float) -> Any:
     """The torch decode path of model/attention.py: gather every block of the table, masked SDPA."""
     import torch
@@ -530,6 +588,19 @@ def markdown(payload: dict[str, Any]) -> str:
                 f"{r['torch_us']} | {r['speedup_vs_torch']}x |"
             )
         lines.append("")
+    if payload.get("tile_sweep"):
+        lines += [
+            "## Gathered LoRA kernels by tile (decode, 64 tokens of 64 adapters)",
+            "",
+            "| group | kernel | BLOCK_K / BLOCK_N | warps | µs | GB/s | default |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in payload["tile_sweep"]:
+            mark = "yes" if r["default"] else ""
+            lines.append(
+                f"| {r['group']} | {r['kernel']} | {r['tile']} | {r['num_warps']} | {r['us']} | {r['GBps']} | {mark} |"
+            )
+        lines.append("")
     if payload["e2e"]:
         lines += [
             "## End-to-end decode",
@@ -632,6 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         "peak": {"GBps": peak[0], "TFLOPs": peak[1]} if peak else None,
         "machine": machine(),
         "kernels": [],
+        "tile_sweep": [],
         "e2e": [],
         "model_shape": None,
     }
@@ -639,6 +711,9 @@ def main(argv: list[str] | None = None) -> int:
         for lshape in DRY_LORA_SHAPES if args.dry_run else LORA_SHAPES:
             payload["kernels"].append(row := bench_lora(lshape, dtype, device, timer, peak))
             log(f"lora {lshape}: {row['triton_us']} us ({row['speedup_vs_torch']}x torch)")
+        decode = [s for s in LORA_SHAPES if s.num_adapters == 64 and s.ranks == (16,)]
+        for lshape in DRY_LORA_SHAPES[:1] if args.dry_run else decode:
+            payload["tile_sweep"] += tile_sweep(lshape, dtype, device, timer, args.dry_run)
         for ashape in DRY_ATTN_SHAPES if args.dry_run else ATTN_SHAPES:
             payload["kernels"].append(row := bench_attention(ashape, dtype, device, timer, peak))
             log(f"attention {ashape}: {row['triton_us']} us ({row['speedup_vs_torch']}x torch)")

@@ -142,3 +142,13 @@ def test_profile_script_dry_run(tmp_path: Path) -> None:
         assert row["steps"] == 4 and row["wall_ms_per_step"] > 0
         if torch.cuda.is_available():
             assert row["kernels_per_step"] > 0 and row["top_kernels"]
+
+
+def test_tile_sweep_rows(bench: ModuleType, device: torch.device) -> None:
+    """The gathered kernels timed per candidate tile (dry run: two shrink tiles, one expand tile)."""
+    rows = bench.tile_sweep(bench.DRY_LORA_SHAPES[0], torch.float16, device, bench.timer_for(device), True)
+    assert [(r["kernel"], r["tile"]) for r in rows] == [("shrink", 16), ("shrink", 32), ("expand", 16)]
+    assert all(r["us"] > 0 and r["group"] == "qkv" for r in rows)
+    markdown = bench.markdown({"device": None, "dtype": "float16", "dry_run": True, "peak": None, "kernels": [],
+                               "tile_sweep": rows, "e2e": []})  # fmt: skip
+    assert "| qkv | expand | 16 | 4 |" in markdown

@@ -356,10 +356,12 @@ def lora_shrink(
     *,
     token_slots: Tensor | None = None,
     segments: Segments | None = None,
+    blocks: ShrinkBlocks | None = None,
 ) -> None:
     """xa[t, s, :rank] = x[t] · A[slot(t), s, :rank]ᵀ (fp32) for every token with a slot, in one launch.
 
-    Exactly one of `token_slots` (gathered layout) or `segments` (segmented layout) is given.
+    Exactly one of `token_slots` (gathered layout) or `segments` (segmented layout) is given. `blocks`: tile
+    sizes and warps instead of `shrink_blocks`' (a tuning sweep's candidates).
     """
     _, n_slices, max_rank, in_dim = A.shape
     _check_rows("x", x, in_dim)
@@ -374,7 +376,7 @@ def lora_shrink(
     if (token_slots is None) == (segments is None):
         raise ValueError("pass exactly one of token_slots (gathered) or segments (segmented)")
     if token_slots is not None:
-        blk = shrink_blocks(in_dim=in_dim, max_seg_len=1, dtype=x.dtype, gathered=True)
+        blk = blocks or shrink_blocks(in_dim=in_dim, max_seg_len=1, dtype=x.dtype, gathered=True)
         grid = (x.shape[0], triton.cdiv(max_rank, blk.BLOCK_R), n_slices)
         shrink_gathered_kernel[grid](
             x,
@@ -393,7 +395,7 @@ def lora_shrink(
     assert segments is not None
     if segments.num_segments == 0 or segments.max_seg_len == 0:
         return
-    blk = shrink_blocks(in_dim=in_dim, max_seg_len=segments.max_seg_len, dtype=x.dtype, gathered=False)
+    blk = blocks or shrink_blocks(in_dim=in_dim, max_seg_len=segments.max_seg_len, dtype=x.dtype, gathered=False)
     num_r_blocks = triton.cdiv(max_rank, blk.BLOCK_R)
     grid = (triton.cdiv(segments.max_seg_len, blk.BLOCK_M) * num_r_blocks, n_slices, segments.num_segments)
     shrink_segmented_kernel[grid](
@@ -428,10 +430,12 @@ def lora_expand(
     *,
     token_slots: Tensor | None = None,
     segments: Segments | None = None,
+    blocks: ExpandBlocks | None = None,
 ) -> None:
     """out[t, off_s:off_s+1] += scalings[slot, s] · xa[t, s, :rank] · B[slot, off_s:off_s+1, :rank]ᵀ, one launch.
 
-    `slice_offsets` is an int32 device tensor [n_slices + 1]; `max_width` the widest slice (host int).
+    `slice_offsets` is an int32 device tensor [n_slices + 1]; `max_width` the widest slice (host int); `blocks`:
+    tile sizes and warps instead of `expand_blocks`'.
     """
     _, out_total, max_rank = B.shape
     n_slices = slice_offsets.shape[0] - 1
@@ -449,7 +453,7 @@ def lora_expand(
     if (token_slots is None) == (segments is None):
         raise ValueError("pass exactly one of token_slots (gathered) or segments (segmented)")
     if token_slots is not None:
-        blk = expand_blocks(max_width=max_width, max_seg_len=1, dtype=out.dtype, gathered=True)
+        blk = blocks or expand_blocks(max_width=max_width, max_seg_len=1, dtype=out.dtype, gathered=True)
         grid = (out.shape[0], triton.cdiv(max_width, blk.BLOCK_N), n_slices)
         expand_gathered_kernel[grid](
             xa,
@@ -469,7 +473,9 @@ def lora_expand(
     assert segments is not None
     if segments.num_segments == 0 or segments.max_seg_len == 0:
         return
-    blk = expand_blocks(max_width=max_width, max_seg_len=segments.max_seg_len, dtype=out.dtype, gathered=False)
+    blk = blocks or expand_blocks(
+        max_width=max_width, max_seg_len=segments.max_seg_len, dtype=out.dtype, gathered=False
+    )
     num_n_blocks = triton.cdiv(max_width, blk.BLOCK_N)
     grid = (triton.cdiv(segments.max_seg_len, blk.BLOCK_M) * num_n_blocks, n_slices, segments.num_segments)
     expand_segmented_kernel[grid](
