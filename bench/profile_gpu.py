@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cuda-graph-max-bs", type=int, default=0, help="decode steps replayed from CUDA graphs (0: eager)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (--dry-run checks the script on CPU under TRITON_INTERPRET=1)")
     if args.dry_run:
         args.adapters, args.num_seqs, args.prompt_len, args.max_tokens = [0, 1, 2], 4, 16, 5
         if not torch.cuda.is_available():

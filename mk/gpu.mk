@@ -11,7 +11,7 @@ bench-gpu-dry-run: setup-python  ## bench-gpu on CPU under the Triton interprete
 test-kernels: setup-python  ## Triton kernel tests (interpreter on CPU; compiled on a GPU); LORAFLEET_GPU_LARGE=1 adds large shapes
 	$(PY) -m pytest tests/kernels $(PYTEST_ARGS)
 
-gpu-check: setup-python gpu-check-run  ## on a CUDA machine: every GPU test (a skip fails), the kernel benchmarks, the Llama-3-8B-shape roofline eager and with CUDA graphs, the decode profile (~9 min); results in $(GPU_CHECK_DIR)/
+gpu-check: setup-python gpu-check-run  ## on a CUDA machine: every GPU test (a skip fails), the kernel benchmarks, the tile sweep, the Llama-3-8B-shape roofline eager and with CUDA graphs, the decode profile (~10 min; tools/gpu-check.sh); results in $(GPU_CHECK_DIR)/
 
 # A bare GPU machine (CUDA torch, Triton, transformers, peft, pytest preinstalled; no venv, no network):
 # the system python with the sources on PYTHONPATH. The worker's other packages (fastapi, pydantic, pyzmq,
@@ -21,11 +21,4 @@ gpu-check-bare:  ## gpu-check with the system python3 and the sources on PYTHONP
 		$(MAKE) gpu-check-run PY=python3
 
 gpu-check-run:
-	mkdir -p $(GPU_CHECK_DIR)
-	set -o pipefail; LORAFLEET_REQUIRE_GPU=1 LORAFLEET_GPU_LARGE=1 $(PY) -m pytest tests/kernels -v -rA \
-		--junitxml=$(GPU_CHECK_DIR)/tests.xml $(PYTEST_ARGS) 2>&1 | tee $(GPU_CHECK_DIR)/tests.log
-	set -o pipefail; $(PY) bench/bench_gpu.py --out $(GPU_CHECK_DIR)/gpu.json --markdown $(GPU_CHECK_DIR)/gpu.md \
-		--backends triton --quantizations int8 \
-		2>&1 | tee $(GPU_CHECK_DIR)/bench.log
-	set -o pipefail; $(PY) bench/profile_gpu.py --cuda-graph-max-bs 64 --out $(GPU_CHECK_DIR)/gpu-profile.json 2>&1 | tee $(GPU_CHECK_DIR)/profile.log
-	@echo "gpu-check: results in $(GPU_CHECK_DIR)/ (tests.log, tests.xml, gpu.json, gpu.md, bench.log, gpu-profile.json, profile.log)"
+	@PY=$(PY) GPU_CHECK_DIR=$(GPU_CHECK_DIR) PYTEST_ARGS="$(PYTEST_ARGS)" tools/gpu-check.sh
