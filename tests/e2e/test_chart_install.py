@@ -118,10 +118,11 @@ def test_inference_needs_the_api_key_probes_and_metrics_do_not(release: Release)
     assert key not in release.operator_log()
 
 
-def test_the_workers_network_policy_is_in_place_though_not_enforced_here(release: Release) -> None:
+def test_the_workers_network_policy_is_in_place(release: Release) -> None:
     """The chart's NetworkPolicy for the workers is accepted by the API server and the fleet serves with it in
-    place. Neither local cluster enforces policies (the node agent runs pods as processes; kind's ptp CNI has no
-    policy agent: docs/install.md), so that a pod outside its peers is refused is not proven here."""
+    place. Here it is not enforced (the node agent runs pods as processes; single-node kind's ptp CNI has no
+    policy agent); that a pod outside its peers is refused is proven on the multi-node kind cluster, whose
+    kube-router enforces policies (test_kind_multinode.py, `make e2e-kind-multinode`)."""
     path = f"/apis/networking.k8s.io/v1/namespaces/{release.namespace}/networkpolicies/{release.fullname}-worker"
     policy = release.cluster.get(path)
     assert policy["spec"]["policyTypes"] == ["Ingress"]
