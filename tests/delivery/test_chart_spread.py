@@ -1,6 +1,7 @@
-"""The worker groups' topology spread: by default each group prefers one pod per node (so a lost node
-loses one worker of the group) without ever leaving a pod unscheduled; a group or workerDefaults can
-replace or drop it, and an entry's labelSelector defaults to the group's own pods."""
+"""The worker groups over nodes and through rollouts. By default each group prefers one pod per node (so a
+lost node loses one worker of the group) without ever leaving a pod unscheduled; a group or workerDefaults
+can replace or drop it, and an entry's labelSelector defaults to the group's own pods. A rollout waits
+minReadySeconds for each new worker."""
 
 from __future__ import annotations
 
@@ -60,3 +61,15 @@ def test_a_group_replaces_or_drops_the_default_and_keeps_a_given_selector() -> N
 def test_a_malformed_constraint_is_refused_by_the_schema(entry: dict[str, Any]) -> None:
     with pytest.raises(HelmError, match="topologySpreadConstraints"):
         template({"workers": [group("a", topologySpreadConstraints=[entry])]})
+
+
+def test_a_rollout_waits_min_ready_seconds_for_each_new_worker() -> None:
+    """A new worker counts as available only after minReadySeconds (default 10 s), so that a rollout stops the
+    next old worker once the operator has loaded the new one's adapters; a group can change it."""
+    vllm = {"name": "vq", "baseModelName": "Qwen/Qwen3-0.6B", "model": {"path": "Qwen/Qwen3-0.6B"}}
+    docs = template({"workers": [group("a"), group("b", minReadySeconds=45)], "vllmWorkers": [vllm]})
+    assert one(docs, "Deployment", "lf-lorafleet-worker-a")["spec"]["minReadySeconds"] == 10
+    assert one(docs, "Deployment", "lf-lorafleet-worker-b")["spec"]["minReadySeconds"] == 45
+    assert one(docs, "Deployment", "lf-lorafleet-vllm-vq")["spec"]["minReadySeconds"] == 10
+    with pytest.raises(HelmError, match="minReadySeconds"):
+        template({"workers": [group("a", minReadySeconds=-1)]})
