@@ -392,28 +392,17 @@ async def bench_shape(
     model_dir: Path,
     families: dict[str, list[tuple[Path, int]]],
     counts: dict[str, tuple[int, ...]],
-    *,
-    device: str,
-    dtype: str,
-    num_seqs: int,
-    prompt_len: int,
-    max_tokens: int,
-    rates: dict[str, float],
     graph_sizes: tuple[int, ...] = (0,),
+    **run: Any,
 ) -> list[dict[str, Any]]:
     """Decode and prefill of `num_seqs` sequences on a model of `shape` (random weights on the device), base
     and over each family's first n adapters, set against the measured bandwidth and matmul rate; eagerly and
-    with the decode steps replayed from CUDA graphs (`graph_sizes`: the engine's `cuda_graph_max_bs`, 0 = eager)."""
-
-    elem = 4 if dtype == "float32" else 2
+    with the decode steps replayed from CUDA graphs (`graph_sizes`: the engine's `cuda_graph_max_bs`, 0 = eager).
+    `run`: `_shape_family`'s keywords (device, dtype, num_seqs, prompt_len, max_tokens, rates)."""
     rows = []
     for family, adapters in families.items():
         for graphs in graph_sizes:
-            rows += await _shape_family(
-                shape, model_dir, family, adapters, counts[family], graphs,
-                device=device, dtype=dtype, num_seqs=num_seqs, prompt_len=prompt_len, max_tokens=max_tokens,
-                rates=rates, elem=elem,
-            )  # fmt: skip
+            rows += await _shape_family(shape, model_dir, family, adapters, counts[family], graphs, **run)
     return rows
 
 
@@ -431,11 +420,11 @@ async def _shape_family(
     prompt_len: int,
     max_tokens: int,
     rates: dict[str, float],
-    elem: int,
 ) -> list[dict[str, Any]]:
     """`bench_shape`'s rows of one adapter family on one engine (`graphs`: its cuda_graph_max_bs)."""
     from lorafleet_worker.core.engine import Engine
 
+    elem = 4 if dtype == "float32" else 2
     rows = []
     engine = Engine(
         model_dir,
