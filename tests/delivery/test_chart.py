@@ -76,13 +76,15 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
 READ = frozenset({"get", "list", "watch"})
 MODELS = (api.GROUP, api.PLURAL)
 # Everything either process touches, and each resource's most powerful verbs (SPEC §7): the DynamoModel
-# is only patched (our finalizer) and its status written; pods are read; Jobs are the only objects
+# is only patched (our finalizer) and its status written; pods are read and only their status patched (the
+# readiness gate's condition); Jobs are the only objects
 # deleted (our sync Jobs); the ledger ConfigMap, the Lease and Secrets are written by name only.
 MAY = {
     MODELS: READ | {"patch"},
     (api.GROUP, f"{api.PLURAL}/status"): {"get", "patch"},
     (api.GROUP, f"{api.PLURAL}/finalizers"): {"update"},
     ("", "pods"): READ,
+    ("", "pods/status"): {"patch"},
     ("batch", "jobs"): READ | {"create", "delete"},
     ("", "events"): {"create"},
     ("events.k8s.io", "events"): {"create"},
@@ -233,6 +235,7 @@ def test_rbac_is_least_privilege(rendered: tuple[str, list[Doc]]) -> None:
         assert ("", "secrets") not in rules and ("coordination.k8s.io", "leases") not in rules, name
         # what the operator cannot work without (the watch, its finalizer and status, worker pods, sync Jobs)
         assert rules[MODELS] >= READ | {"patch"} and rules[("", "pods")] == READ, name
+        assert rules[("", "pods/status")] == {"patch"}, name  # the workers' readiness gate
         assert rules[(api.GROUP, f"{api.PLURAL}/status")] >= {"patch"} and ("batch", "jobs") in rules, name
     for role in router_roles:  # the router only reads DynamoModels and worker pods
         assert_least_privilege(role, {MODELS: READ, ("", "pods"): READ})

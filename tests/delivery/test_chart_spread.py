@@ -1,7 +1,7 @@
 """The worker groups over nodes and through rollouts. By default each group prefers one pod per node (so a
 lost node loses one worker of the group) without ever leaving a pod unscheduled; a group or workerDefaults
 can replace or drop it, and an entry's labelSelector defaults to the group's own pods. A rollout waits
-minReadySeconds for each new worker."""
+minReadySeconds and the adapters readiness gate for each new worker."""
 
 from __future__ import annotations
 
@@ -63,13 +63,18 @@ def test_a_malformed_constraint_is_refused_by_the_schema(entry: dict[str, Any]) 
         template({"workers": [group("a", topologySpreadConstraints=[entry])]})
 
 
-def test_a_rollout_waits_min_ready_seconds_for_each_new_worker() -> None:
-    """A new worker counts as available only after minReadySeconds (default 10 s), so that a rollout stops the
-    next old worker once the operator has loaded the new one's adapters; a group can change it."""
+def test_a_rollout_waits_for_each_new_workers_adapters() -> None:
+    """A new worker is Ready only once the operator opens its readiness gate (its adapters loaded), and counts
+    as available minReadySeconds (default 10 s) later; a group can change both."""
     vllm = {"name": "vq", "baseModelName": "Qwen/Qwen3-0.6B", "model": {"path": "Qwen/Qwen3-0.6B"}}
     docs = template({"workers": [group("a"), group("b", minReadySeconds=45)], "vllmWorkers": [vllm]})
     assert one(docs, "Deployment", "lf-lorafleet-worker-a")["spec"]["minReadySeconds"] == 10
     assert one(docs, "Deployment", "lf-lorafleet-worker-b")["spec"]["minReadySeconds"] == 45
     assert one(docs, "Deployment", "lf-lorafleet-vllm-vq")["spec"]["minReadySeconds"] == 10
+    gate = [{"conditionType": "lorafleet.dev/adapters-loaded"}]
+    for name in ("worker-a", "worker-b", "vllm-vq"):
+        assert one(docs, "Deployment", f"lf-lorafleet-{name}")["spec"]["template"]["spec"]["readinessGates"] == gate
+    ungated = template({"workers": [group("a", adaptersReadinessGate=False)]})
+    assert "readinessGates" not in one(ungated, "Deployment", "lf-lorafleet-worker-a")["spec"]["template"]["spec"]
     with pytest.raises(HelmError, match="minReadySeconds"):
         template({"workers": [group("a", minReadySeconds=-1)]})

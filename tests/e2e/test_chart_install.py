@@ -21,7 +21,7 @@ from lorafleet_devcluster.stack import BASE_MODEL, Release, deep_merge, default_
 from lorafleet_operator import api
 from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
 
-from tests.e2e.traffic import Load
+from tests.e2e.traffic import Load, Sampler
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -184,6 +184,30 @@ def test_scaling_the_workers_moves_placements(release: Release) -> None:
     assert release.complete("my-custom-lora") != release.complete(BASE_MODEL)
     release.apply_values(scale(2))
     release.wait_ready("my-lora", total=2)
+
+
+def test_a_rolled_worker_is_ready_only_once_it_holds_its_adapters(release: Release) -> None:
+    """The readiness gate lorafleet.dev/adapters-loaded: a rollout (maxSurge 0) stops the next old worker only
+    after the new one holds what the placement gave it, so the adapter always has a ready holder."""
+    release.wait_ready("my-lora", total=2)
+    old = {p["metadata"]["name"] for p in release.pods("worker")}
+    deployment = f"deployment/{release.fullname}-worker-qwen"
+    url, auth = f"{release.router_url()}/v1/completions", release.inference_headers()
+    holders = Sampler(lambda: (release.model("my-lora").get("status") or {}).get("readyEndpoints", 0))
+    with Load(url, "my-custom-lora", clients=2, pause=0.5, tokens=4, headers=auth) as traffic, holders:
+        release.kubectl("rollout", "restart", deployment)
+        release.kubectl("rollout", "status", deployment, "--timeout=300s")
+        release.wait_ready("my-lora", total=2)
+    assert traffic.ok > 0 and not traffic.failures, (traffic.ok, traffic.failures[:5])
+    assert holders.seen and min(holders.seen) >= 1, holders.seen
+    pods = release.pods("worker")
+    assert len(pods) == 2 and not old & {p["metadata"]["name"] for p in pods}, (old, pods)
+    for pod in pods:
+        conditions = {c["type"]: c for c in pod["status"]["conditions"]}
+        gate, ready = conditions["lorafleet.dev/adapters-loaded"], conditions["Ready"]
+        assert gate["status"] == ready["status"] == "True", conditions
+        assert ready["lastTransitionTime"] >= gate["lastTransitionTime"], conditions
+        assert "my-custom-lora" in release.worker_loras(pod)
 
 
 def test_deleting_models_unloads_them(release: Release) -> None:

@@ -19,21 +19,18 @@ Times from each fault to converged are printed (and written to LORAFLEET_E2E_REP
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
-import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 from lorafleet_devcluster.session import TestCluster
 from lorafleet_devcluster.stack import JSON, Release, deep_merge, default_values, manifest, wait_for
 from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
 
-from tests.e2e.traffic import Load
+from tests.e2e.traffic import Load, Sampler
 
 KIND_WORKERS = os.environ.get("LORAFLEET_E2E_KIND_WORKERS", "").split()
 ENGINE = os.environ.get("LORAFLEET_E2E_KIND_ENGINE", "podman")
@@ -58,30 +55,6 @@ def report(what: str, **times: float) -> None:
     if path := os.environ.get("LORAFLEET_E2E_REPORT"):
         with open(path, "a") as out:
             out.write(line + "\n")
-
-
-class Sampler:
-    """Samples `probe()` every `interval` seconds in a thread while in its `with` block (monitoring, not
-    synchronisation): the values seen, for bounds over the whole fault."""
-
-    def __init__(self, probe: Callable[[], Any], interval: float = 0.5) -> None:
-        self.probe, self.interval, self.seen = probe, interval, list[Any]()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(Exception):  # the API may be slow to answer during a fault: no sample
-                self.seen.append(self.probe())
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
 
 
 @pytest.fixture(scope="module")

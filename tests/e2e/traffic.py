@@ -1,8 +1,12 @@
-"""Steady request load for the e2e tests: client threads that count successes and keep every failure."""
+"""Steady request load for the e2e tests (client threads that count successes and keep every failure),
+and a sampler of cluster state while it runs."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 from lorafleet_devcluster.rawstack import PROMPT
@@ -57,3 +61,27 @@ class Load:
         self._stop.set()
         for t in self._threads:
             t.join(120)
+
+
+class Sampler:
+    """Samples `probe()` every `interval` seconds in a thread while in its `with` block (monitoring, not
+    synchronisation): the values seen, for bounds over the whole fault."""
+
+    def __init__(self, probe: Callable[[], Any], interval: float = 0.5) -> None:
+        self.probe, self.interval, self.seen = probe, interval, list[Any]()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):  # the API may be slow to answer during a fault: no sample
+                self.seen.append(self.probe())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)

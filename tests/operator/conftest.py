@@ -263,7 +263,7 @@ def pod_body(name: str, ip: str | None, ready: bool, base: str, namespace: str =
         "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}",
                      "labels": {BASE_MODEL_HASH_LABEL: base_model_hash(base)}},
         "status": {"phase": "Running", "podIP": ip,
-                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+                   "conditions": [{"type": t, "status": str(ready)} for t in ("ContainersReady", "Ready")]},
     }  # fmt: skip
 
 

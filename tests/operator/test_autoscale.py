@@ -259,7 +259,8 @@ async def test_router_reports_in_flight_requests_per_adapter() -> None:
     table = RoutingTable(inference_port=worker_port)
     table.on_pod("ADDED", {"metadata": {"namespace": "ns", "name": "w0", "uid": "u0", "labels": {}},
                            "status": {"phase": "Running", "podIP": "127.0.0.1",
-                                      "conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
+                                      "conditions": [{"type": "ContainersReady", "status": "True"},
+                                                     {"type": "Ready", "status": "True"}]}})  # fmt: skip
     body = {"metadata": {"namespace": "ns", "name": "hot", "uid": "m0"},
             "spec": {"modelName": "org/hot", "baseModelName": "b", "modelType": "lora", "source": {"uri": "s3://b/x"}},
             "status": {"phase": "Ready", "endpoints": [{"address": "http://127.0.0.1:9090", "podName": "w0",

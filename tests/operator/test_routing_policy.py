@@ -74,7 +74,8 @@ def test_policy_names_and_knob_checks() -> None:
 def _pod(i: int) -> dict[str, Any]:
     return {"metadata": {"namespace": "ns", "name": f"w{i}", "uid": f"u{i}", "labels": {}},
             "status": {"phase": "Running", "podIP": f"127.0.0.{i + 1}",
-                       "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+                       "conditions": [{"type": "ContainersReady", "status": "True"},
+                                      {"type": "Ready", "status": "True"}]}}  # fmt: skip
 
 
 def _adapter(name: str) -> dict[str, Any]:

@@ -18,6 +18,10 @@ ClusterRoles. They list exactly what the code calls (SPEC §7); no wildcards.
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
+# Worker pods' readiness gate lorafleet.dev/adapters-loaded (gates.py): one condition in their status.
+- apiGroups: [""]
+  resources: [pods/status]
+  verbs: [patch]
 # Sync Jobs (hf:// -> object store).
 - apiGroups: [batch]
   resources: [jobs]

@@ -886,6 +886,11 @@ class NodeAgent:
     def _post_status(self, run: PodRun) -> None:
         inits_done = all(c.done for c in run.inits)
         ready = inits_done and run.phase == "Running" and all(c.ready for c in run.apps)
+        # Ready also waits for the pod's readiness gates: conditions other controllers set (kept by the
+        # strategic merge patch below, as the kubelet's status manager keeps them)
+        gates = [g.get("conditionType") for g in (run.pod.get("spec") or {}).get("readinessGates") or []]
+        others = {c.get("type"): c.get("status") for c in (run.pod.get("status") or {}).get("conditions") or []}
+        gates_open = all(others.get(g) == "True" for g in gates)
         status: JSON = {
             "phase": run.phase,
             "hostIP": HOST_IP,
@@ -895,7 +900,7 @@ class NodeAgent:
                 self._condition(run, "PodReadyToStartContainers", True),
                 self._condition(run, "Initialized", inits_done),
                 self._condition(run, "ContainersReady", ready),
-                self._condition(run, "Ready", ready),
+                self._condition(run, "Ready", ready and gates_open),
                 self._condition(run, "PodScheduled", True),
             ],
             "containerStatuses": [c.status() for c in run.apps],
@@ -907,8 +912,11 @@ class NodeAgent:
             return
         meta = run.pod["metadata"]
         try:
-            self.kube.merge_patch(
-                f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status", {"status": status}
+            self.kube.request(
+                "PATCH",
+                f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
+                {"status": status},
+                content_type="application/strategic-merge-patch+json",
             )
         except KubeError as exc:
             if exc.status != 404:

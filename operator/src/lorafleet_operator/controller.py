@@ -51,6 +51,7 @@ from lorafleet_operator.api import KIND, model_path, models_path, object_referen
 from lorafleet_operator.autoscale import RouterDemand
 from lorafleet_operator.catalog import Catalogs
 from lorafleet_operator.finalizers import Finalizers
+from lorafleet_operator.gates import PodGates
 from lorafleet_operator.index import Key, ModelIndex, key_of
 from lorafleet_operator.inventory import WorkerInventory
 from lorafleet_operator.kube import EventPoster, Informer, KubeClient, collection_path
@@ -94,6 +95,9 @@ class Runtime:
         )  # fmt: skip
         self.index = ModelIndex(on_claim_change=self.queue.add, on_change=self.catalogs.on_model)
         self.finalizers = Finalizers(kube, self.finalize, settings.retry_base, settings.retry_max)
+        self.gates = (
+            PodGates(kube, lambda ns, h: [m for _k, m in self.index.loras_of(ns, h)]) if kube is not None else None
+        )
         self.phases: dict[Key, str] = {}
         self.replicas: dict[Key, int] = {}  # LoRA models: the pods each one's last pass wants (Result.replicas)
         self._locks: dict[Key, asyncio.Lock] = {}
@@ -109,6 +113,8 @@ class Runtime:
             self.phases.pop(key, None)
             self.replicas.pop(key, None)
             self.queue.discard(key)
+            if self.gates is not None:
+                self.gates.after_pass(key)
             return
         old, model = self.index.apply(body)
         if model.is_lora and not model.deleting and (old is None or old.served_name != model.served_name):
@@ -147,8 +153,9 @@ class Runtime:
         moved = old is not None and (old.uid, old.ip, old.base_hash) != (pod.uid, pod.ip, pod.base_hash)
         if old is not None and was and (moved or not now):
             self._requeue_placed_on(old)
-        if now and (not was or moved):
-            self._requeue_taken_by(pod)
+        joined = self._requeue_taken_by(pod) if now and (not was or moved) else None
+        if self.gates is not None:
+            self.gates.on_pod(pod, joined)
 
     def _requeue_placed_on(self, pod: Pod) -> None:
         """A pod left: only the models it was placed on (or still listed as an endpoint) move."""
@@ -159,15 +166,18 @@ class Runtime:
             ):
                 self.queue.add(key)
 
-    def _requeue_taken_by(self, pod: Pod) -> None:
+    def _requeue_taken_by(self, pod: Pod) -> set[Key]:
         """A pod joined: only the models whose top-``replicas`` set it enters move (a model with no
-        pass yet is queued anyway)."""
+        pass yet is queued anyway). Returns the LoRA models queued (the pod's readiness gate waits for them)."""
+        queued = set()
         for key, model in self.index.loras_of(pod.namespace, pod.base_hash):
             replicas = self.replicas.get(key)
             if replicas is None or takes(model.model_name, model.status.get("placement") or [], replicas, pod.name):
                 self.queue.add(key)
+                queued.add(key)
         for key in self.index.bases_of(pod.namespace, pod.base_hash):
             self.queue.add(key)  # base models list every pod
+        return queued
 
     def on_job(self, body: Mapping[str, Any], kind: str | None = None) -> None:
         meta = body.get("metadata") or {}
@@ -183,6 +193,8 @@ class Runtime:
         self._tasks = [asyncio.create_task(self._work()) for _ in range(self.settings.reconcile_workers)]
         self.spawn(self._write_claims())
         self.spawn(self.catalogs.run())
+        if self.gates is not None:
+            self.spawn(self.gates.run())
         self.spawn(self._drift())
         if self.settings.demand_urls:
             self.spawn(self._autoscale(RouterDemand(self.settings.demand_urls)))
@@ -249,6 +261,9 @@ class Runtime:
                 log.exception("reconcile of %s/%s failed", *key)
                 metrics.RECONCILES.labels("error").inc()
                 self.queue.add_rate_limited(key)
+            else:
+                if self.gates is not None:  # its status is published: pods waiting on it may open
+                    self.gates.after_pass(key)
             finally:
                 self.queue.done(key)
 

@@ -132,6 +132,11 @@ class KubeClient:
     async def merge_patch(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         return await self.request("PATCH", path, body, content_type="application/merge-patch+json")
 
+    async def strategic_patch(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """A strategic merge patch: lists with a merge key (a pod's ``status.conditions``, by ``type``)
+        are merged entry by entry, so a condition the kubelet owns is left alone."""
+        return await self.request("PATCH", path, body, content_type="application/strategic-merge-patch+json")
+
     async def json_patch(self, path: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
         return await self.request("PATCH", path, ops, content_type="application/json-patch+json")
 

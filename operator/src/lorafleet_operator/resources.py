@@ -17,15 +17,20 @@ from lorafleet_sync.ids import BASE_MODEL_HASH_LABEL, base_model_hash
 # The engine a worker pod runs (the chart's label); "vllm" pods (vLLM worker groups) hold only what the
 # operator placed on them: they load nothing on demand.
 ENGINE_LABEL = "lorafleet.dev/engine"
+# The readiness gate the operator opens once a worker pod holds its adapters (gates.py).
+ADAPTERS_GATE = "lorafleet.dev/adapters-loaded"
 
 
 @dataclass(frozen=True, order=True)
 class Pod:
     """A worker pod as the operator and router see it.
 
-    ``ready``: Ready and not terminating (eligible for placement and routing). ``serving``: Ready,
-    terminating included: a pod being deleted keeps answering through its grace period, so it
-    stays a holder until the adapter is ready elsewhere (Kubernetes' serving-terminating endpoints)."""
+    ``ready``: its containers are ready (``ContainersReady``) and it is not terminating (eligible for
+    placement and routing; the pod's ``Ready`` also waits for the operator's readiness gate, which
+    opens only after placement: see gates.py). ``serving``: containers ready, terminating included: a
+    pod being deleted keeps answering through its grace period, so it stays a holder until the
+    adapter is ready elsewhere (Kubernetes' serving-terminating endpoints). ``gated``: its spec lists
+    the gate ``ADAPTERS_GATE``; ``gate_open``: that condition is True."""
 
     namespace: str
     name: str
@@ -35,17 +40,17 @@ class Pod:
     base_hash: str | None = None
     serving: bool = False
     loads_on_demand: bool = True  # not a vLLM worker group's pod (ENGINE_LABEL)
+    gated: bool = False
+    gate_open: bool = False
+    terminating: bool = False
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Pod:
         meta, status = body.get("metadata") or {}, body.get("status") or {}
-        conditions = status.get("conditions") or []
+        conditions = {c.get("type"): c.get("status") == "True" for c in status.get("conditions") or []}
         labels = meta.get("labels") or {}
-        serving = bool(
-            status.get("phase") == "Running"
-            and status.get("podIP")
-            and any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-        )
+        serving = bool(status.get("phase") == "Running" and status.get("podIP") and conditions.get("ContainersReady"))
+        gates = {g.get("conditionType") for g in (body.get("spec") or {}).get("readinessGates") or []}
         return cls(
             namespace=meta.get("namespace", ""),
             name=meta.get("name", ""),
@@ -55,6 +60,9 @@ class Pod:
             base_hash=labels.get(BASE_MODEL_HASH_LABEL),
             serving=serving,
             loads_on_demand=labels.get(ENGINE_LABEL) != "vllm",
+            gated=ADAPTERS_GATE in gates,
+            gate_open=bool(conditions.get(ADAPTERS_GATE)),
+            terminating=bool(meta.get("deletionTimestamp")),
         )
 
     def address(self, port: int) -> str:
