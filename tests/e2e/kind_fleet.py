@@ -77,8 +77,10 @@ def fleet(cluster: TestCluster, tmp_path_factory: pytest.TempPathFactory) -> Ite
     rel.helm("uninstall", rel.name, check=False)
 
 
-def traffic(release: Release) -> Load:
-    url = f"{release.router_url()}/v1/completions"
+def traffic(release: Release, router: str | None = None) -> Load:
+    """Two clients of non-streamed completions through the router (``router``: its base URL; default the
+    router Service as the test cluster reaches it, a port-forward through the API server on kind)."""
+    url = f"{router or release.router_url()}/v1/completions"
     return Load(url, SERVED, clients=2, pause=0.2, tokens=4, headers=release.inference_headers())
 
 
