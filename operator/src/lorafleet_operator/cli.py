@@ -22,25 +22,12 @@ DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     """``lorafleet-operator``'s flags: one per ``OperatorSettings`` field, and ``--verbose``."""
-    parser = argparse.ArgumentParser(prog="lorafleet-operator", description=DESCRIPTION)
-    OperatorSettings.add_arguments(parser)
-    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
-    return parser
+    return OperatorSettings.build_parser("lorafleet-operator", DESCRIPTION)
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> OperatorSettings:
     """Settings from the flags in ``argv`` and the environment; sets up logging (``--verbose``)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        return OperatorSettings.from_sources(args=args).in_own_namespace()
-    except (ValueError, OSError) as e:
-        parser.error(str(e))
-        raise  # unreachable
+    return OperatorSettings.from_command_line(build_parser(), argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

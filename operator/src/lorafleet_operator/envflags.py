@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -65,6 +66,14 @@ class EnvSettings:
             else:
                 parser.add_argument(flag, default=None, metavar=f.name.upper(), help=help_text)
 
+    @classmethod
+    def build_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:
+        """A process's command line: one flag per field, and ``--verbose``."""
+        parser = argparse.ArgumentParser(prog=prog, description=description)
+        cls.add_arguments(parser)
+        parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+        return parser
+
 
 @dataclass(frozen=True, repr=False)  # EnvSettings.__repr__ hides secrets
 class WatchScope(EnvSettings):
@@ -80,6 +89,21 @@ class WatchScope(EnvSettings):
         if self.all_namespaces or self.namespaces:
             return self
         return dataclasses.replace(self, namespaces=(os.environ.get("POD_NAMESPACE") or "default",))
+
+    @classmethod
+    def from_command_line(cls, parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> Self:
+        """Settings from the flags in ``argv`` (made by ``build_parser``) and the environment, in the pod's
+        own namespace unless told otherwise; sets up logging (``--verbose``); a bad value is a usage error."""
+        args = parser.parse_args(argv)
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose else logging.INFO,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        try:
+            return cls.from_sources(args=args).in_own_namespace()
+        except (ValueError, OSError) as e:
+            parser.error(str(e))
+            raise  # unreachable
 
     def watched(self) -> list[str | None]:
         """The namespaces to list and watch (None: every namespace)."""

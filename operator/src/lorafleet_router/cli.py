@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -18,25 +17,12 @@ DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     """``lorafleet-router``'s flags: one per ``RouterSettings`` field, and ``--verbose``."""
-    parser = argparse.ArgumentParser(prog="lorafleet-router", description=DESCRIPTION)
-    RouterSettings.add_arguments(parser)
-    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
-    return parser
+    return RouterSettings.build_parser("lorafleet-router", DESCRIPTION)
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> RouterSettings:
     """Settings from the flags in ``argv`` and the environment; sets up logging (``--verbose``)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        return RouterSettings.from_sources(args=args).in_own_namespace()
-    except (ValueError, OSError) as e:
-        parser.error(str(e))
-        raise  # unreachable
+    return RouterSettings.from_command_line(build_parser(), argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
