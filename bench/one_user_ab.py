@@ -22,6 +22,7 @@ from typing import Any
 
 import bench_peers as peers
 from common import log, machine, real_model, write_json
+from lorafleet_worker.host.huge_pages import huge_bytes
 
 
 def one_pass(
@@ -37,7 +38,10 @@ def one_pass(
         prompts = peers.random_prompts(n, seed=1, vocab=vocab)
         picks = peers.adapter_picks([name for name, _ in adapters], n)
         asyncio.run(peers.timed_pass(server, prompts[:1], picks[:1], 1))  # warm-up (adapter into a slot)
-        return asyncio.run(peers.timed_pass(server, prompts[1:], picks[1:], c))
+        got = asyncio.run(peers.timed_pass(server, prompts[1:], picks[1:], c))
+        held = huge_bytes(Path(f"/proc/{server.proc.pid}/smaps_rollup"))  # a suspect of the passes' two speeds
+        got["huge_mib"] = None if held is None else round(held / 2**20)
+        return got
     finally:
         peers.stop(server)
 
@@ -68,8 +72,9 @@ def main() -> None:
                         os.environ.pop("PYTHONPATH", None)
                     got = one_pass(model, trained, precision, scenario, workdir, args.concurrency)
                     runs.setdefault(f"{precision} {scenario}", {}).setdefault(side, []).append(got)
-                    itl, tok_s = got["itl_p50_ms"], got["tok_s"]
-                    log(f"round {rnd + 1} {side} {precision} {scenario}: ITL p50 {itl} ms, {tok_s} tok/s")
+                    itl, tok_s, huge = got["itl_p50_ms"], got["tok_s"], got["huge_mib"]
+                    pass_name = f"round {rnd + 1} {side} {precision} {scenario}"
+                    log(f"{pass_name}: ITL p50 {itl} ms, {tok_s} tok/s, {huge} MiB on huge pages")
     os.environ.pop("PYTHONPATH", None)
     summary: dict[str, dict[str, float]] = {}
     for key, sides in runs.items():
