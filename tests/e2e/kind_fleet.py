@@ -26,6 +26,50 @@ TOLERATION = 20  # seconds a worker pod stays bound to an unreachable / not-read
 NODE_LOSS_BOUND = 240
 
 
+# One TCP connection attempt from inside a pod: "open", or the error's name (refused, timed out, ...).
+CONNECT = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()
+    print("open")
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+
+def probe_pod(release: Release, name: str = "probe", node: str | None = None) -> str:
+    """Start a pod of the worker image (it has Python) in the release's namespace, matching no NetworkPolicy
+    peer, on `node` if given; returns its name once it is Ready (delete it with `delete_probe`)."""
+    image = release.values["image"]["worker"]
+    spec: JSON = {
+        "containers": [
+            {
+                "name": "probe",
+                "image": f"{image['repository']}:{image['tag']}",
+                "imagePullPolicy": image["pullPolicy"],
+                "command": ["sleep", "infinity"],
+                "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
+            }
+        ],
+        "terminationGracePeriodSeconds": 0,
+    }
+    if node:
+        spec["nodeName"] = node
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "probe"}}, "spec": spec}
+    release.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    release.kubectl("wait", "--for=condition=Ready", f"pod/{name}", "--timeout=120s")
+    return name
+
+
+def delete_probe(release: Release, name: str = "probe") -> None:
+    release.kubectl("delete", "pod", name, "--wait=false", check=False)
+
+
+def connect(release: Release, pod: str, ip: str, port: int) -> str:
+    """What one TCP connection from `pod` to ip:port gives ("open", or the error's name)."""
+    return release.kubectl("exec", pod, "--", "python3", "-c", CONNECT, ip, str(port)).stdout.strip()
+
+
 def node_of(pod: JSON) -> str:
     return str(pod["spec"]["nodeName"])
 

@@ -9,7 +9,6 @@ enforces NetworkPolicy in LORAFLEET_E2E_NETWORK_POLICY; elsewhere these tests sk
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 
@@ -18,17 +17,10 @@ from lorafleet_devcluster.session import TestCluster
 from lorafleet_devcluster.stack import BASE_MODEL, JSON, Release, deep_merge, default_values, manifest, wait_for
 from lorafleet_worker_dev.tiny import make_tiny_adapter, make_tiny_model
 
+from tests.e2e.kind_fleet import connect, delete_probe, probe_pod
+
 KIND_WORKERS = os.environ.get("LORAFLEET_E2E_KIND_WORKERS", "").split()
 ADAPTER, SERVED = "spread-lora", "spread-adapter"
-# One TCP connection attempt from inside a pod: "open", or the error's name (refused, timed out, ...).
-CONNECT = """
-import socket, sys
-try:
-    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()
-    print("open")
-except OSError as e:
-    print(type(e).__name__)
-"""
 
 
 def node_of(pod: JSON) -> str:
@@ -72,33 +64,9 @@ def test_an_adapter_is_placed_and_served_across_nodes(release: Release) -> None:
 
 @pytest.fixture
 def probe(release: Release) -> Iterator[str]:
-    """A pod of the worker image (it has Python) in the release's namespace, matching no NetworkPolicy peer."""
-    image = release.values["image"]["worker"]
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "probe", "labels": {"app": "probe"}},
-        "spec": {
-            "containers": [
-                {
-                    "name": "probe",
-                    "image": f"{image['repository']}:{image['tag']}",
-                    "imagePullPolicy": image["pullPolicy"],
-                    "command": ["sleep", "infinity"],
-                    "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
-                }
-            ],
-            "terminationGracePeriodSeconds": 0,
-        },
-    }
-    release.kubectl("apply", "-f", "-", input=json.dumps(pod))
-    release.kubectl("wait", "--for=condition=Ready", "pod/probe", "--timeout=120s")
-    yield "probe"
-    release.kubectl("delete", "pod", "probe", "--wait=false", check=False)
-
-
-def connect(release: Release, pod: str, ip: str, port: int) -> str:
-    return release.kubectl("exec", pod, "--", "python3", "-c", CONNECT, ip, str(port)).stdout.strip()
+    """A pod of the worker image in the release's namespace, matching no NetworkPolicy peer."""
+    yield probe_pod(release)
+    delete_probe(release)
 
 
 def reach(release: Release, pod: str, targets: list[tuple[str, int]]) -> dict[tuple[str, int], bool]:

@@ -39,9 +39,12 @@ from tests.e2e.kind_fleet import (
     ENGINE,
     KIND_WORKERS,
     NODE_LOSS_BOUND,
+    connect,
     converged,
+    delete_probe,
     fleet,
     node_of,
+    probe_pod,
     ready,
     report,
     spread_again,
@@ -129,6 +132,14 @@ def node_loss(release: Release, rng: random.Random) -> dict[str, object]:
     # network plugin runs again: until then pods scheduled there (the next fault's operator) cannot reach
     # the API server. A real node that returns from a reboot waits for its CNI in the same way.
     wait_for(lambda: network_plugin_ready(release, fault), 240, f"kube-router Ready on {fault}")
+    # kube-router Ready is not yet a working pod network: the routes back to the node's pod subnet come
+    # from its peers' BGP sessions, so a pod there may not hear from the API server for a while longer.
+    probe = probe_pod(release, "soak-probe", node=fault)
+    try:
+        api = release.cluster.get("/api/v1/namespaces/default/services/kubernetes")["spec"]["clusterIP"]
+        wait_for(lambda: connect(release, probe, api, 443) == "open", 240, f"a pod on {fault} reaching the API")
+    finally:
+        delete_probe(release, probe)
     return {"node": fault}
 
 
