@@ -133,6 +133,10 @@ spec:
             - --enable-ipv4=true
             - --enable-ipv6=false
             - --bgp-graceful-restart=true
+            # kube-router 2.1 peers with a node on its add or delete only, and with every node at this sync
+            # (5 min by default): a node container started again by podman may come back on a new address,
+            # and until the next sync no route leads to its pods (make soak-kind's node-loss fault)
+            - --routes-sync-period=15s
           env:
             - name: NODE_NAME
               valueFrom: {fieldRef: {fieldPath: spec.nodeName}}

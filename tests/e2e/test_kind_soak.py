@@ -33,7 +33,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from lorafleet_devcluster.stack import Release, deep_merge, wait_for
+from lorafleet_devcluster.stack import JSON, Release, deep_merge, wait_for
 
 from tests.e2e.kind_fleet import (
     ENGINE,
@@ -121,6 +121,7 @@ def node_loss(release: Release, rng: random.Random) -> dict[str, object]:
     if all(node_of(p) != fault for p in release.pods("worker")):
         spread_again(release)
     node_path = f"/api/v1/nodes/{fault}"
+    address = node_address(release.cluster.get(node_path))
     subprocess.run([ENGINE, "stop", "-t", "0", fault], check=True, capture_output=True)
     try:
         wait_for(lambda: not ready(release.cluster.get(node_path)), 120, f"{fault} NotReady")
@@ -128,6 +129,9 @@ def node_loss(release: Release, rng: random.Random) -> dict[str, object]:
     finally:
         subprocess.run([ENGINE, "start", fault], check=True, capture_output=True)
     wait_for(lambda: ready(release.cluster.get(node_path)), 240, f"{fault} Ready again")
+    # podman may give the started container another address (kube-router's --routes-sync-period covers it)
+    now = node_address(release.cluster.get(node_path))
+    print(f"\n[node-faults] {fault}: address {address} before the loss, {now} now")
     # The node turns Ready as soon as its kubelet answers (its CNI config survived the stop), before its
     # network plugin runs again: until then pods scheduled there (the next fault's operator) cannot reach
     # the API server. A real node that returns from a reboot waits for its CNI in the same way.
@@ -141,6 +145,10 @@ def node_loss(release: Release, rng: random.Random) -> dict[str, object]:
     finally:
         delete_probe(release, probe)
     return {"node": fault}
+
+
+def node_address(node: JSON) -> str:
+    return next((a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP"), "?")
 
 
 def network_plugin_ready(release: Release, node: str) -> bool:
