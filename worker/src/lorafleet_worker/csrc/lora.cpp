@@ -14,9 +14,10 @@
 // CPU with AVX512-BF16 the shrink's tiles multiply bfloat16 pairs (`vdpbf16ps`, x and A read as they are). A
 // segment of one or two tokens reads each A row once for both tokens and takes two-token expand loops with each
 // B row widened once for both tokens. A step whose every segment is one token (one user's decode) skips the work
-// lists: `run_tokens`, 1-token tiles on the calling thread (AVX2 + FMA), B streamed row by row. Only each
-// adapter's own rank is read (no max-rank padding), slices of rank 0 are skipped, x rows are read in place
-// through the step's row list (no gather, no scatter).
+// lists: `run_tokens`, 1-token tiles on the calling thread (AVX2 + FMA), B streamed row by row, and every row the
+// call reads requested into L2 before the first is used. Only each adapter's own rank is read (no max-rank
+// padding), slices of rank 0 are skipped, x rows are read in place through the step's row list (no gather, no
+// scatter).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -137,6 +138,15 @@ inline int64_t expand_tile(const float* coef, int64_t R, const T* b, int64_t bs,
 #endif
 
 #ifdef LF_AVX2
+// Requests `n` rows of `len` elements, `stride` apart from `p`, into L2 (a read prefetch, one per cache line).
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t stride, int64_t n, int64_t len) {
+  for (int64_t j = 0; j < n; ++j) {
+    const char* row = reinterpret_cast<const char*>(p + j * stride);
+    for (int64_t b = 0; b < len * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(row + b, 0, 2);
+  }
+}
+
 // Steps whose every segment is one token (a one-user decode, or each adapter's single decode row): per segment
 // and slice the shrink in tiles of 4 rank rows against the token's widened row (no token repeated to fill a tile),
 // then the expand: B's rank rows read front to back into float sums, added to the token's output row once.
@@ -154,6 +164,15 @@ void run_tokens(const T* xp, int64_t xs, T* op, int64_t os, const T* ap, int64_t
     if (sg.end == sg.start) continue;
     const int64_t row = rp[sg.start];
     const float* xr = widen<T>(xp + row * xs, xbuf.data(), K);
+    // Every A and B row this segment reads, requested into L2 before the first is used. An adapter's rows come
+    // from memory (the base weights read between two calls evict them) and are short (a rank row of A is K
+    // elements, of B one slice's columns): the hardware's stream prefetch is not ahead of them before they end.
+    for (int64_t s = 0; s < n_slices; ++s) {
+      const int64_t r = rk[sg.slot * rs_slot + s];
+      if (r <= 0) continue;
+      prefetch_rows(ap + sg.slot * as_slot + s * as_slice, as_rank, r, K);
+      prefetch_rows(bp + sg.slot * bs_slot + offs[s], bs_rank, r, offs[s + 1] - offs[s]);
+    }
     for (int64_t s = 0; s < n_slices; ++s) {
       const int64_t r = rk[sg.slot * rs_slot + s];
       if (r <= 0) continue;
