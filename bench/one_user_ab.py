@@ -111,13 +111,7 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="+", default=["bf16", "int8"], choices=sorted(peers.LORAFLEET_PRECISIONS))
     parser.add_argument("--scenarios", nargs="+", default=["base", "one"], choices=peers.SCENARIOS)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of one worker start per pass")
-    parser.add_argument(
-        "--paired",
-        type=int,
-        default=0,
-        metavar="N",
-        help="instead of rounds: both workers up per cell, N pairs of passes A B B A ...",
-    )
+    parser.add_argument("--paired", type=int, default=0, metavar="N", help="both workers up per cell, N pairs ABBA")
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the worker's OpenMP threads")
     parser.add_argument("--per-client", type=int, default=1, help="requests timed per client (at least 4 in all)")
