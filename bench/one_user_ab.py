@@ -80,7 +80,7 @@ def cell_passes(sides: str, args: argparse.Namespace, model: Path, trained: dict
 def paired_cell(args: argparse.Namespace, model: Path, trained: dict[str, Path], precision: str, scenario: str,
                 workdir: Path, b_path: str) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
     """Both sides' workers up at once for the cell (the idle one waits on its socket), `--paired` pairs of passes
-    in the order A B B A A B ..., pass i with prompts of seed i on both sides."""
+    in the order A B B A A B ..., pair i (from 0) with prompts of seed i + 1 on both sides."""
     adapters = peers.scenario_adapters(scenario, model, trained)
     names = [name for name, _ in adapters]
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
