@@ -55,6 +55,16 @@ def measure(server: peers.Server, names: list[str], vocab: int, c: int, per_clie
     return got
 
 
+def cell_inputs(model: Path, trained: dict[str, Path], scenario: str) -> tuple[list[tuple[str, Path]], list[str], int]:
+    """The scenario's adapters (name, directory), their names, and the model's vocabulary size."""
+    adapters = peers.scenario_adapters(scenario, model, trained)
+    return adapters, [name for name, _ in adapters], json.loads((model / "config.json").read_text())["vocab_size"]
+
+
+def log_pass(label: str, got: dict[str, Any]) -> None:
+    log(f"{label}: ITL p50 {got['itl_p50_ms']} ms, {got['tok_s']} tok/s, {got['huge_mib']} MiB on huge pages")
+
+
 def warm(server: peers.Server, names: list[str], vocab: int) -> None:
     """One request (its adapter into a slot) before anything is timed."""
     asyncio.run(peers.timed_pass(server, peers.random_prompts(1, 0, vocab), peers.adapter_picks(names, 1), 1))
@@ -63,9 +73,7 @@ def warm(server: peers.Server, names: list[str], vocab: int) -> None:
 def cell_passes(sides: str, args: argparse.Namespace, model: Path, trained: dict[str, Path], precision: str,
                 scenario: str, workdir: Path, b_path: str, seed: int) -> dict[str, dict[str, Any]]:  # fmt: skip
     """One pass of each side in `sides`' order, each on a worker of its own started for it."""
-    adapters = peers.scenario_adapters(scenario, model, trained)
-    names = [name for name, _ in adapters]
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    adapters, names, vocab = cell_inputs(model, trained, scenario)
     out = {}
     for side in sides:
         server = start(side, b_path, model, adapters, precision, workdir, args.threads)
@@ -81,9 +89,7 @@ def paired_cell(args: argparse.Namespace, model: Path, trained: dict[str, Path],
                 workdir: Path, b_path: str) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
     """Both sides' workers up at once for the cell (the idle one waits on its socket), `--paired` pairs of passes
     in the order A B B A A B ..., pair i (from 0) with prompts of seed i + 1 on both sides."""
-    adapters = peers.scenario_adapters(scenario, model, trained)
-    names = [name for name, _ in adapters]
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    adapters, names, vocab = cell_inputs(model, trained, scenario)
     servers: dict[str, peers.Server] = {}
     try:
         for side in "AB":
@@ -97,8 +103,7 @@ def paired_cell(args: argparse.Namespace, model: Path, trained: dict[str, Path],
                 got = measure(servers[side], names, vocab, args.concurrency, args.per_client, seed=1 + i)
                 got["idle_side_cpu_s"] = round(idle.cpu_s() - idle_before, 3)  # the waiting worker's, to be ~0
                 runs[side].append(got)
-                log(f"pair {i + 1} {side} {precision} {scenario}: ITL p50 {got['itl_p50_ms']} ms, "
-                    f"{got['tok_s']} tok/s, {got['huge_mib']} MiB on huge pages")  # fmt: skip
+                log_pass(f"pair {i + 1} {side} {precision} {scenario}", got)
         return runs
     finally:
         for server in servers.values():
@@ -132,13 +137,11 @@ def main() -> None:
     for rnd in range(0 if args.paired else args.rounds):
         for precision in args.precisions:
             for scenario in args.scenarios:
-                sides = "AB" if rnd % 2 == 0 else "BA"
-                got = cell_passes(sides, args, model, trained, precision, scenario, workdir, b_path, seed=1)
-                for side in sides:
+                order = "AB" if rnd % 2 == 0 else "BA"
+                got = cell_passes(order, args, model, trained, precision, scenario, workdir, b_path, seed=1)
+                for side in order:
                     runs.setdefault(f"{precision} {scenario}", {}).setdefault(side, []).append(got[side])
-                    g = got[side]
-                    log(f"round {rnd + 1} {side} {precision} {scenario}: ITL p50 {g['itl_p50_ms']} ms, "
-                        f"{g['tok_s']} tok/s, {g['huge_mib']} MiB on huge pages")  # fmt: skip
+                    log_pass(f"round {rnd + 1} {side} {precision} {scenario}", got[side])
     summary: dict[str, dict[str, float]] = {}
     for key, sides in runs.items():
         s = summary[key] = {}
