@@ -332,7 +332,7 @@ class Soak:
             self.stop.wait(self.args.sample_every)
 
     def object_states(self) -> dict[str, bool | None]:
-        """Per DynamoModel: Ready for its generation with its replicas, and held by exactly its placement;
+        """Per DynamoModel: Ready for its generation with its replicas, and held pinned by exactly its placement;
         None (no evidence) when it is Ready but a pod of its placement did not answer its listing in time."""
         items = self.models()
         held = {p["metadata"]["name"]: self._held(p) for p in self.release.pods("worker")}
@@ -350,7 +350,7 @@ class Soak:
         """What a worker pod holds: nothing while it cannot be reached (killed, restarting); None when it
         was reached but did not answer in time (busy, e.g. loading a storm's adapters)."""
         try:
-            return self.release.worker_loras(pod)
+            return self.release.worker_loras(pod, pinned=True)
         except httpx.TimeoutException:
             return None
         except httpx.HTTPError:
@@ -359,7 +359,10 @@ class Soak:
     # ---- invariants -----------------------------------------------------------------------
     def converged(self) -> tuple[bool, str]:
         """Every worker pod back and Ready (a killed one's return moves adapters back: part of recovering),
-        every DynamoModel ``model_ok``, every worker holding exactly what placement says, no storm object."""
+        every DynamoModel ``model_ok``, every worker holding exactly what placement says pinned, no storm object.
+        Copies a worker loaded on demand (a request the router sent to an adapter's rendezvous pod while
+        its holders failed) are the worker's LRU cache, not placement: the operator leaves them, and so
+        does this check; the message names them."""
         workers = self.release.pods("worker")
         ready = [p for p in workers if pod_ready(p)]  # `pods` leaves out terminating pods
         if len(ready) != self.args.workers or len(workers) != self.args.workers:
@@ -374,12 +377,15 @@ class Soak:
                 return False, f"{dm['metadata']['name']}: {status.get('phase')} {status.get('readyEndpoints')}"
             for pod in status.get("placement") or []:
                 placed.setdefault(pod, set()).add(dm["spec"]["modelName"])
+        on_demand: dict[str, list[str]] = {}
         for pod in self.release.pods("worker"):
             name = pod["metadata"]["name"]
-            held = self.release.worker_loras(pod)
+            held = self.release.worker_loras(pod, pinned=True)
             if held != placed.get(name, set()):
                 return False, f"{name} holds {sorted(held)}, placement says {sorted(placed.get(name, set()))}"
-        return True, "ok"
+            if extra := sorted(self.release.worker_loras(pod) - held):
+                on_demand[name] = extra
+        return True, f"ok; loaded on demand besides: {on_demand}" if on_demand else "ok"
 
     def diagnostics(self) -> dict[str, Any]:
         """What a failed convergence looked like: each DynamoModel's status, the worker pods, the leader's log tail."""
