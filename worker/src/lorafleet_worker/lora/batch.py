@@ -30,40 +30,45 @@ class LoRABatchInfo:
     has_lora: bool
     segments: tuple[tuple[int, int, int], ...] = ()
     segment_rows: tuple[int, ...] = ()
+    sorted_ids: tuple[int, ...] = ()  # `sorted_token_ids` host-side (empty from `gathered_batch_info`)
     host_plan: Any = None  # backend-specific per-step data (the torch backend's `_Plan`), built by `prepare`
 
 
 def build_batch_info(token_slots: Tensor) -> LoRABatchInfo:
     """Group the tokens of a step by slot (stable order); tokens of slot -1 get no segment.
 
-    The grouping is computed host-side (one small copy) and the index tensors are placed on
-    `token_slots`' device.
+    The grouping is computed host-side from one copy of the slots, in Python (a step holds few tokens of few
+    adapters: each torch op on such small tensors cost more than the loop, and every op hands the GIL to the
+    server's thread), and the index tensors are placed on `token_slots`' device.
     """
     device = token_slots.device
-    slots = token_slots.detach().to("cpu", torch.int32)
-    order = torch.sort(slots, stable=True).indices.to(torch.int32)
-    uniq, counts = torch.unique_consecutive(slots[order.long()], return_counts=True)
+    slots: list[int] = token_slots.tolist()
+    ids = sorted(range(len(slots)), key=slots.__getitem__)  # stable: a slot's tokens keep their order
     segments: list[tuple[int, int, int]] = []
     rows: list[int] = []
-    ids = order.tolist()
     start = 0
-    for slot, count in zip(uniq.tolist(), counts.tolist(), strict=True):
+    while start < len(ids):
+        slot, end = slots[ids[start]], start + 1
+        while end < len(ids) and slots[ids[end]] == slot:
+            end += 1
         if slot >= 0:
-            segments.append((slot, start, start + count))
-            # stable sort: a segment's ids ascend, so they are consecutive iff last - first == count - 1
-            rows.append(ids[start] if ids[start + count - 1] - ids[start] == count - 1 else -1)
-        start += count
+            segments.append((slot, start, end))
+            # a segment's ids ascend, so they are consecutive rows iff last - first == count - 1
+            rows.append(ids[start] if ids[end - 1] - ids[start] == end - start - 1 else -1)
+        start = end
     indptr = [segments[0][1], *(end for _, _, end in segments)] if segments else [0]
+    host = token_slots.device.type == "cpu" and token_slots.dtype == torch.int32
     return LoRABatchInfo(
-        token_slots=slots.to(device),
-        sorted_token_ids=order.to(device),
-        seg_indptr=torch.tensor(indptr, dtype=torch.int32).to(device),
-        seg_slots=torch.tensor([s for s, _, _ in segments], dtype=torch.int32).to(device),
+        token_slots=token_slots if host else torch.tensor(slots, dtype=torch.int32, device=device),
+        sorted_token_ids=torch.tensor(ids, dtype=torch.int32, device=device),
+        seg_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
+        seg_slots=torch.tensor([s for s, _, _ in segments], dtype=torch.int32, device=device),
         max_seg_len=max((end - begin for _, begin, end in segments), default=0),
-        num_tokens=int(slots.numel()),
+        num_tokens=len(slots),
         has_lora=bool(segments),
         segments=tuple(segments),
         segment_rows=tuple(rows),
+        sorted_ids=tuple(ids),
     )
 
 

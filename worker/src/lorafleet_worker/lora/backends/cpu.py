@@ -50,24 +50,23 @@ class _Plan:
 
 def make_plan(batch: LoRABatchInfo, small_segment: int = SMALL_SEGMENT) -> _Plan:
     """Split `batch`'s segments at `small_segment` tokens (0: every segment is large)."""
-    ids = batch.sorted_token_ids.cpu()
+    ids = batch.sorted_ids
     large: list[Segment] = []
     small: list[Segment] = []
-    seg_rows, pieces = [], []
-    pos = 0
+    seg_rows: list[tuple[int, int, int]] = []
+    small_rows: list[int] = []
     for (slot, start, end), row in zip(batch.segments, batch.segment_rows, strict=True):
         if end - start > small_segment:
             large.append((slot, start, end, row))
         else:
             small.append((slot, start, end, row))
-            seg_rows.append((slot, pos, pos + end - start))
-            pieces.append(ids[start:end])
-            pos += end - start
+            seg_rows.append((slot, len(small_rows), len(small_rows) + end - start))
+            small_rows.extend(ids[start:end])
     return _Plan(
         slots=tuple(s for s, _, _ in batch.segments),
         large=tuple(large),
         small=tuple(small),
-        small_rows=torch.cat(pieces).to(torch.int32) if pieces else torch.empty(0, dtype=torch.int32),
+        small_rows=torch.tensor(small_rows, dtype=torch.int32),
         small_segs=torch.tensor(seg_rows, dtype=torch.int64).reshape(-1, 3),
     )
 
