@@ -350,7 +350,7 @@ class Soak:
         """What a worker pod holds: nothing while it cannot be reached (killed, restarting); None when it
         was reached but did not answer in time (busy, e.g. loading a storm's adapters)."""
         try:
-            return self.release.worker_loras(pod, pinned=True)
+            return self.release.worker_adapters(pod)[0]
         except httpx.TimeoutException:
             return None
         except httpx.HTTPError:
@@ -380,11 +380,11 @@ class Soak:
         on_demand: dict[str, list[str]] = {}
         for pod in self.release.pods("worker"):
             name = pod["metadata"]["name"]
-            held = self.release.worker_loras(pod, pinned=True)
+            held, extra = self.release.worker_adapters(pod)
             if held != placed.get(name, set()):
                 return False, f"{name} holds {sorted(held)}, placement says {sorted(placed.get(name, set()))}"
-            if extra := sorted(self.release.worker_loras(pod) - held):
-                on_demand[name] = extra
+            if extra:
+                on_demand[name] = sorted(extra)
         return True, f"ok; loaded on demand besides: {on_demand}" if on_demand else "ok"
 
     def diagnostics(self) -> dict[str, Any]:

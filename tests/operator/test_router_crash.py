@@ -28,7 +28,7 @@ from lorafleet_router.router import Router, RoutingTable
 from .conftest import INFER_PORT, MGMT_PORT, REAL_BASE, RealWorker
 
 ADAPTER = "org/crash"
-LONG = 400  # tokens: long enough that the kill lands mid-generation
+LONG = 1500  # tokens (most of the tiny model's context): still running when the poll looks, however fast the CPU
 
 
 @dataclass

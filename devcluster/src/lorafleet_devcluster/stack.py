@@ -282,16 +282,21 @@ class Release:
         r.raise_for_status()
         return {m["id"] for m in r.json()["data"]}
 
-    def worker_loras(self, pod: JSON, *, pinned: bool = False) -> set[str]:
-        """Adapters a worker pod holds (its management API, with the chart's admin token). ``pinned``: only
-        the ones loaded through ``POST /v1/loras`` (the operator's placement), not those it loaded on demand."""
+    def worker_loras(self, pod: JSON) -> set[str]:
+        """Adapters a worker pod holds, however they were loaded."""
+        pinned, on_demand = self.worker_adapters(pod)
+        return pinned | on_demand
+
+    def worker_adapters(self, pod: JSON) -> tuple[set[str], set[str]]:
+        """A worker pod's adapters from its management API (with the chart's admin token), as (pinned: loaded
+        through ``POST /v1/loras``, the operator's placement; loaded on demand: the worker's LRU cache)."""
         token = self.secret(f"{self.fullname}-admin-token")["token"]
         with self.pod_port(pod, 9090) as base:
             r = httpx.get(f"{base}/v1/loras", headers={"Authorization": f"Bearer {token}"}, timeout=10)
         r.raise_for_status()
         listing = r.json()
         on_demand = {name for name, kept in (listing.get("pinned") or {}).items() if kept is False}
-        return set(listing["loras"]) - on_demand if pinned else set(listing["loras"])
+        return set(listing["loras"]) - on_demand, on_demand & set(listing["loras"])
 
     @contextlib.contextmanager
     def pod_port(self, pod: JSON, port: int) -> Iterator[str]:
