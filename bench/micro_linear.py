@@ -4,6 +4,7 @@ The 121 linears of SmolLM2-135M (30 layers x qkv, o, gate_up, down, and the 49,1
 weights of the real shapes), each layout in turn, interleaved rounds, best round per (layout, M):
 
   onednn f32   oneDNN's prepacked float32 linear (`LORAFLEET_CPU_LINEAR=onednn`)
+  onednn bf16  oneDNN's prepacked bfloat16 linear (AMX where the CPU has it: what PyTorch-based peers run)
   panel f32    the panel kernel (`model/cpu_gemm.py`), float32 weights
   panel bf16   bfloat16 weights and activations
   panel int8   int8 weights, a float32 scale per output channel (`--quantization int8`), bfloat16 activations
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     scales = [w.abs().amax(1) / 127 for w in weights]
     int8 = [torch.round(w / s[:, None]).to(torch.int8) for w, s in zip(weights, scales, strict=True)]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    onednn_bf16 = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in weights]
     panels = {
         "panel f32": [cpu_gemm.pack(w) for w in weights],
         "panel bf16": [cpu_gemm.pack(w.bfloat16()) for w in weights],
@@ -71,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         xs = {k: torch.randn(m, k) for k in (576, 1536)}
         xb = {k: v.bfloat16() for k, v in xs.items()}
 
-        def run_onednn(xs: dict[int, torch.Tensor] = xs) -> object:
+        def run_onednn(xs: dict[int, torch.Tensor], prepacked: list[torch.Tensor]) -> object:
             return [
                 torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                for w, p in zip(weights, onednn, strict=True)
+                for w, p in zip(weights, prepacked, strict=True)
             ]
 
         def run_int8pack(xb: dict[int, torch.Tensor] = xb) -> object:
@@ -83,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
                 for q, s in zip(int8, scales, strict=True)
             ]
 
-        cases: dict[str, Callable[[], object]] = {"onednn f32": run_onednn}
+        cases: dict[str, Callable[[], object]] = {
+            "onednn f32": functools.partial(run_onednn, xs, onednn),
+            "onednn bf16": functools.partial(run_onednn, xb, onednn_bf16),
+        }
         for name, packed in panels.items():
             x = xs if name == "panel f32" else xb
             cases[name] = functools.partial(_run_panels, packed, x)
