@@ -31,7 +31,8 @@ inter-token latency p50/p99, and the server's peak RSS (the sum of its processes
 a child of its API server).
 
 `--paired N` measures each concurrency differently: all servers stay up (the idle ones wait on their sockets;
-the CPU seconds they spend meanwhile are recorded, so "alone" is checked), and N passes of each alternate
+each pass starts once they have stopped using CPU, and the CPU seconds they spend during it are recorded, so
+"alone" is checked), and N passes of each alternate
 A B B A ..., a pass on one server right after the same pass on the other. Each pair gives a ratio of ITL p50
 (and of tok/s, and of later turns' TTFT in chat); the report is the median ratio with a bootstrap 95 % interval.
 On a VM whose speed drifts by ±15 % over minutes, this compares the servers under the same drift, where
@@ -644,6 +645,27 @@ def adapter_picks(names: list[str], n: int) -> list[str | None]:
     return [names[i % len(names)] if names else None for i in range(n)]
 
 
+SETTLE_WINDOW_S = 0.25  # a peer is idle once it used under SETTLE_CPU_S of CPU in one window
+SETTLE_CPU_S = 0.02
+SETTLE_MAX_S = 20.0
+
+
+def settle(idle: list[Server]) -> float:
+    """Wait until the idle servers stop using CPU, and return how long that took. A server that just finished
+    a pass can keep its cores busy for a while (vLLM's engine polls for about a second after its last request),
+    which the next pass on the other server would pay for. Gives up after SETTLE_MAX_S (the pass then records
+    the idle peers' CPU seconds as always)."""
+    t0 = time.perf_counter()
+    used = sum(sv.cpu_s() for sv in idle)
+    while time.perf_counter() - t0 < SETTLE_MAX_S:
+        time.sleep(SETTLE_WINDOW_S)
+        now = sum(sv.cpu_s() for sv in idle)
+        if now - used < SETTLE_CPU_S:
+            break
+        used = now
+    return round(time.perf_counter() - t0, 2)
+
+
 def paired_passes(servers: dict[str, Server], c: int, n: int, run: PassRunner, seed: int) -> dict[str, Any]:
     """`n` passes of `max(4, c)` requests or conversations (one for c = 1) on each server, alternating A B B A ...
     (A B C C B A with three); each pass's prompts are the same for all. Ratios are lorafleet ÷ each peer per pass:
@@ -654,10 +676,12 @@ def paired_passes(servers: dict[str, Server], c: int, n: int, run: PassRunner, s
         order = list(servers) if i % 4 in (0, 3) else list(reversed(servers))
         for system in order:
             idle = [sv for name, sv in servers.items() if name != system]
+            settled_s = settle(idle)
             idle_before = sum(sv.cpu_s() for sv in idle)
             busy_before, client_before = servers[system].cpu_s(), time.process_time()
             got = run(servers[system], c, size, seed + 100 * c + i)
             got["idle_peer_cpu_s"] = round(sum(sv.cpu_s() for sv in idle) - idle_before, 3)  # the others, together
+            got["settle_s"] = settled_s
             # the server's CPU seconds in the pass, and the harness's own (it shares the cores with the server)
             got["server_cpu_s"] = round(servers[system].cpu_s() - busy_before, 3)
             got["client_cpu_s"] = round(time.process_time() - client_before, 3)
