@@ -212,7 +212,9 @@ async def test_the_router_sends_its_worker_key_to_a_real_worker(keyed_worker: Re
     assert direct == {KEY: 401, WORKER_KEY: 200}, "the worker takes only its own key"
     async with front(api_key=KEY, worker_api_key=WORKER_KEY, real=keyed_worker) as f:
         async with _client(f.url, KEY) as client:
-            out = await client.completions.create(model=REAL_BASE, prompt="Hello", max_tokens=2)
+            out = await client.completions.create(
+                model=REAL_BASE, prompt="Hello", max_tokens=2, extra_body={"ignore_eos": True}
+            )
             assert out.usage is not None and out.usage.completion_tokens == 2
         async with _client(f.url, WORKER_KEY) as client:
             with pytest.raises(openai.AuthenticationError):

@@ -32,7 +32,7 @@ def worker(tiny_models: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def _completion(worker: Worker, headers: dict[str, str]) -> httpx.Response:
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "ignore_eos": True}
     return httpx.post(f"{worker.url}/v1/completions", json=body, headers=headers, timeout=60)
 
 
