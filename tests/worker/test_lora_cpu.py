@@ -179,8 +179,9 @@ def test_kernel_tiles_and_their_edges(dtype: torch.dtype, in_dim: int) -> None:
 @pytest.mark.parametrize("slots", [[2], [1, -1, 3, 0, 2], [-1, 3, -1]], ids=["one-user", "one-token-each", "base-rows"])
 def test_kernel_one_token_segments(dtype: torch.dtype, in_dim: int, slots: list[int]) -> None:
     """Steps whose every segment is one token (one user's decode, each adapter's single decode row) take the
-    kernel's one-token path: odd ranks (a shrink tile past the rank), rank 0 slices, slices 77 and 19 wide
-    (64-column and 8-column expand chunks, then single columns), both B layouts: equal to the float64
+    kernel's one-token path: odd ranks (a shrink tile past the rank; an expand pair past it in bfloat16 with
+    AVX512-BF16), rank 0 slices, slices 77 and 19 wide (64-column and 8-column expand chunks, or 128- and 32-column
+    blocks in bfloat16 pairs, then single columns), both B layouts: equal to the float64
     per-adapter result, rows without an adapter untouched."""
     ranks = [[1, 3], [64, 0], [7, 33], [16, 16]]
     w = random_proj_weights(in_dim=in_dim, widths=(77, 19), ranks=ranks, max_rank=64, dtype=dtype, seed=3)

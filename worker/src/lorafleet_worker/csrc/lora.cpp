@@ -15,11 +15,14 @@
 // segment of one or two tokens reads each A row once for both tokens and takes two-token expand loops with each
 // B row widened once for both tokens. A step whose every segment is one token (one user's decode) skips the work
 // lists: `run_tokens`, 1-token tiles on the calling thread (AVX2 + FMA), B streamed row by row, and every row the
-// call reads requested into L2 before the first is used. Only each adapter's own rank is read (no max-rank
+// call reads requested into L2 before the first is used; in bfloat16 with AVX512-BF16 it is `run_tokens_bf16`,
+// bfloat16 pairs in both passes, the call split over ATen's threads. Only each adapter's own rank is read (no max-rank
 // padding), slices of rank 0 are skipped, x rows are read in place through the step's row list (no gather, no
 // scatter).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -246,6 +249,158 @@ LF_BF16_TARGET void dot_tile_bf16(const at::BFloat16* const* x, const at::BFloat
   for (int i = 0; i < 8; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
+// The eight sums of eight 16-lane accumulators, as one 8-lane vector (halves added, then a transposing hadd tree).
+LF_BF16_TARGET inline __m256 reduce8x16(const __m512* a) {
+  __m256 h[8];
+  for (int i = 0; i < 8; ++i)
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// o[c .. c + 32 * CB) += scale * sum_j coef_j * b[j * bs + c ..] over the rank rows j < r, in `vdpbf16ps` on pairs
+// of rank rows: rows j and j + 1 interleaved word by word (one unpack each half) against the pair of bfloat16
+// coefficients (`pairs[j / 2]`: coef_j low, coef_j+1 high; an odd rank's last pair repeats row r - 1 with a zero
+// coefficient). CB blocks of 32 columns keep 2 * CB independent sums. The unpacks work within 128-bit lanes, so the
+// low half holds columns 8L..8L+3 of each lane L and the high half 8L+4..8L+7; one permute puts them in order.
+template <int CB>
+LF_BF16_TARGET inline void expand_pairs_bf16(const uint32_t* pairs, const at::BFloat16* b, int64_t bs, int64_t r,
+                                             float scale, at::BFloat16* o) {
+  __m512 lo[CB], hi[CB];
+  for (int q = 0; q < CB; ++q) lo[q] = hi[q] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < r; j += 2) {
+    const at::BFloat16* b0 = b + j * bs;
+    const at::BFloat16* b1 = b + std::min(j + 1, r - 1) * bs;
+    const __m512bh cv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[j / 2]));
+#pragma GCC unroll 4
+    for (int q = 0; q < CB; ++q) {
+      const __m512i r0 = _mm512_loadu_si512(b0 + 32 * q), r1 = _mm512_loadu_si512(b1 + 32 * q);
+      lo[q] = _mm512_dpbf16_ps(lo[q], (__m512bh)_mm512_unpacklo_epi16(r0, r1), cv);
+      hi[q] = _mm512_dpbf16_ps(hi[q], (__m512bh)_mm512_unpackhi_epi16(r0, r1), cv);
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int q = 0; q < CB; ++q) {
+    const __m512 c[2] = {_mm512_permutex2var_ps(lo[q], first, hi[q]), _mm512_permutex2var_ps(lo[q], second, hi[q])};
+    at::BFloat16* p = o + 32 * q;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 c_lo = _mm512_castps512_ps256(c[h]);
+      const __m256 c_hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c[h]), 1));
+      store8(p + 16 * h, _mm256_fmadd_ps(sv, c_lo, load8(p + 16 * h)));
+      store8(p + 16 * h + 8, _mm256_fmadd_ps(sv, c_hi, load8(p + 16 * h + 8)));
+    }
+  }
+}
+
+// One shrink tile of `run_tokens_bf16`: the 8 rank rows from `at` (past r: row r - 1) against x, their sums into
+// cf[0 .. 8) and as bfloat16 pairs into pr[0 .. 4) (a row past r a zero coefficient).
+LF_BF16_TARGET void shrink_tile_bf16(const at::BFloat16* xr, const at::BFloat16* a_rows, int64_t as_rank, int64_t r,
+                                     int64_t at, int64_t K, float* cf, uint32_t* pr) {
+  const at::BFloat16* a[8];
+  for (int64_t i = 0; i < 8; ++i) a[i] = a_rows + std::min(at + i, r - 1) * as_rank;
+  __m512 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + k);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], xv, (__m512bh)_mm512_loadu_si512(a[i] + k));
+  }
+  _mm256_storeu_ps(cf, reduce8x16(acc));
+  for (int64_t j = 0; j < 8; j += 2) {
+    const uint32_t lo = at + j < r ? at::BFloat16(cf[j]).x : 0, hi = at + j + 1 < r ? at::BFloat16(cf[j + 1]).x : 0;
+    pr[j / 2] = lo | (hi << 16);
+  }
+}
+
+// One expand block of `run_tokens_bf16`: `width` columns (128, 32, or a slice's last few) of B's rank rows from `b`
+// added, scaled, to `o`.
+LF_BF16_TARGET void expand_block_bf16(const uint32_t* pr, const float* cf, const at::BFloat16* b, int64_t bs, int64_t r,
+                                      int64_t width, float scale, at::BFloat16* o) {
+  if (width == 128) {
+    expand_pairs_bf16<4>(pr, b, bs, r, scale, o);
+  } else if (width == 32) {
+    expand_pairs_bf16<1>(pr, b, bs, r, scale, o);
+  } else {
+    for (int64_t c = 0; c < width; ++c) {
+      float v = 0.f;
+      for (int64_t j = 0; j < r; ++j) v += to_float(at::BFloat16(cf[j])) * to_float(b[j * bs + c]);
+      o[c] = static_cast<at::BFloat16>(static_cast<float>(o[c]) + scale * v);
+    }
+  }
+}
+
+// `run_tokens` in bfloat16 on a CPU with AVX512-BF16 (K a multiple of 32): the shrink in tiles of 8 rank rows, x read
+// in place, 32 bfloat16 products an instruction; the shrunk activations rounded to bfloat16 (as PEFT's bfloat16
+// lora_A output is) so that the expand runs on pairs of rank rows (`expand_pairs_bf16`), the scaling applied in
+// float32 to the sums before they are added to the output row once. The rows come from memory (the base weights
+// read between two calls evict them), so the call is split over ATen's threads, each requesting its own rows first:
+// the shrink tiles of every segment and slice shared out, one barrier, then the expand's column blocks.
+void run_tokens_bf16(const at::BFloat16* xp, int64_t xs, at::BFloat16* op, int64_t os,
+                     const at::BFloat16* ap, int64_t as_slot, int64_t as_slice, int64_t as_rank,
+                     const at::BFloat16* bp, int64_t bs_slot, int64_t bs_rank, const int32_t* rk,
+                     int64_t rs_slot, const float* sc, int64_t ss_slot, const std::vector<int64_t>& offs,
+                     const int32_t* rp, const std::vector<Seg>& segs, int64_t n_slices, int64_t K) {
+  struct Part {
+    int64_t seg, slice, r, at;  // `at`: the first of its 8 rank rows (a tile) or columns (a block of `width`)
+    int64_t width;              // a block's columns: 128, 32 or the slice's last few (below 32)
+    int64_t coef;               // where the (segment, slice)'s coefficients start in `coef` / `pairs`
+  };
+  // the calling thread's buffers, named through references: the threads of the region below share them
+  thread_local std::vector<Part> tiles_tl, blocks_tl;
+  thread_local std::vector<float> coef_tl;
+  thread_local std::vector<uint32_t> pairs_tl;
+  std::vector<Part>& tiles = tiles_tl;
+  std::vector<Part>& blocks = blocks_tl;
+  std::vector<float>& coef = coef_tl;
+  std::vector<uint32_t>& pairs = pairs_tl;
+  tiles.clear();
+  blocks.clear();
+  int64_t n_coef = 0;
+  for (int64_t g = 0; g < static_cast<int64_t>(segs.size()); ++g) {
+    if (segs[g].end == segs[g].start) continue;
+    for (int64_t s = 0; s < n_slices; ++s) {
+      const int64_t r = rk[segs[g].slot * rs_slot + s];
+      if (r <= 0) continue;
+      for (int64_t j = 0; j < r; j += 8) tiles.push_back({g, s, r, j, 0, n_coef});
+      const int64_t nc = offs[s + 1] - offs[s];
+      int64_t c = 0;
+      for (; c + 128 <= nc; c += 128) blocks.push_back({g, s, r, c, 128, n_coef});
+      for (; c + 32 <= nc; c += 32) blocks.push_back({g, s, r, c, 32, n_coef});
+      if (c < nc) blocks.push_back({g, s, r, c, nc - c, n_coef});
+      n_coef += (r + 7) / 8 * 8;
+    }
+  }
+  if (tiles.empty()) return;
+  coef.resize(static_cast<size_t>(n_coef));
+  pairs.resize(static_cast<size_t>(n_coef / 2));
+  const auto a_rows = [&](const Part& p) { return ap + segs[p.seg].slot * as_slot + p.slice * as_slice; };
+  const auto b_cols = [&](const Part& p) { return bp + segs[p.seg].slot * bs_slot + offs[p.slice] + p.at; };
+  const auto shrink = [&](const Part& p) {
+    shrink_tile_bf16(xp + rp[segs[p.seg].start] * xs, a_rows(p), as_rank, p.r, p.at, K, coef.data() + p.coef + p.at,
+                     pairs.data() + (p.coef + p.at) / 2);
+  };
+  const auto expand = [&](const Part& p) {
+    expand_block_bf16(pairs.data() + p.coef / 2, coef.data() + p.coef, b_cols(p), bs_rank, p.r, p.width,
+                      sc[segs[p.seg].slot * ss_slot + p.slice], op + rp[segs[p.seg].start] * os + offs[p.slice] + p.at);
+  };
+  const int64_t n_tiles = static_cast<int64_t>(tiles.size()), n_blocks = static_cast<int64_t>(blocks.size());
+  const int threads = at::in_parallel_region() ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), n_tiles));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t t0 = n_tiles * t / n, t1 = n_tiles * (t + 1) / n, b0 = n_blocks * t / n, b1 = n_blocks * (t + 1) / n;
+    for (int64_t i = t0; i < t1; ++i)
+      prefetch_rows(a_rows(tiles[i]) + tiles[i].at * as_rank, as_rank, std::min<int64_t>(8, tiles[i].r - tiles[i].at), K);
+    for (int64_t i = b0; i < b1; ++i) prefetch_rows(b_cols(blocks[i]), bs_rank, blocks[i].r, blocks[i].width);
+    for (int64_t i = t0; i < t1; ++i) shrink(tiles[i]);
+#pragma omp barrier
+    for (int64_t i = b0; i < b1; ++i) expand(blocks[i]);
+  }
+}
+
 #else
 bool has_bf16_dot() { return false; }
 #endif
@@ -277,6 +432,16 @@ void run(const at::Tensor& x, at::Tensor& out, const at::Tensor& A, const at::Te
       for (int64_t s = 0; s < n_slices; ++s)
         work += (g.end - g.start) * std::max<int32_t>(rk[g.slot * rs_slot + s], 0) * (K + offs[s + 1] - offs[s]);
     if (work < (1 << 18)) {
+#ifdef LF_BF16_DOT
+      static const bool bf16_dot = has_bf16_dot();
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (bf16_dot && K % 32 == 0) {
+          run_tokens_bf16(xp, xs, op, os, ap, as_slot, as_slice, as_rank, bp, bs_slot, bs_rank, rk, rs_slot, sc,
+                          ss_slot, offs, rp, segs, n_slices, K);
+          return;
+        }
+      }
+#endif
       run_tokens<T>(xp, xs, op, os, ap, as_slot, as_slice, as_rank, bp, bs_slot, bs_rank, rk, rs_slot, sc, ss_slot,
                     offs, rp, segs, n_slices, K, R);
       return;
