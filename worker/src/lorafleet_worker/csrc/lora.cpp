@@ -317,7 +317,7 @@ LF_BF16_TARGET void shrink_tile_bf16(const at::BFloat16* xr, const at::BFloat16*
 
 // One expand block of `run_tokens_bf16`: `width` columns (128, 32, or a slice's last few) of B's rank rows from `b`
 // added, scaled, to `o`.
-LF_BF16_TARGET void expand_block_bf16(const uint32_t* pr, const float* cf, const at::BFloat16* b, int64_t bs, int64_t r,
+LF_BF16_TARGET void expand_block_bf16(const uint32_t* pr, const at::BFloat16* b, int64_t bs, int64_t r,
                                       int64_t width, float scale, at::BFloat16* o) {
   if (width == 128) {
     expand_pairs_bf16<4>(pr, b, bs, r, scale, o);
@@ -326,7 +326,12 @@ LF_BF16_TARGET void expand_block_bf16(const uint32_t* pr, const float* cf, const
   } else {
     for (int64_t c = 0; c < width; ++c) {
       float v = 0.f;
-      for (int64_t j = 0; j < r; ++j) v += to_float(at::BFloat16(cf[j])) * to_float(b[j * bs + c]);
+      for (int64_t j = 0; j < r; ++j) {  // the coefficient as the pairs hold it (rounded once, in the shrink)
+        const uint32_t bits = (pr[j / 2] >> (16 * (j & 1))) << 16;
+        float cj;
+        std::memcpy(&cj, &bits, sizeof(cj));
+        v += cj * to_float(b[j * bs + c]);
+      }
       o[c] = static_cast<at::BFloat16>(static_cast<float>(o[c]) + scale * v);
     }
   }
@@ -383,7 +388,7 @@ void run_tokens_bf16(const at::BFloat16* xp, int64_t xs, at::BFloat16* op, int64
                      pairs.data() + (p.coef + p.at) / 2);
   };
   const auto expand = [&](const Part& p) {
-    expand_block_bf16(pairs.data() + p.coef / 2, coef.data() + p.coef, b_cols(p), bs_rank, p.r, p.width,
+    expand_block_bf16(pairs.data() + p.coef / 2, b_cols(p), bs_rank, p.r, p.width,
                       sc[segs[p.seg].slot * ss_slot + p.slice], op + rp[segs[p.seg].start] * os + offs[p.slice] + p.at);
   };
   const int64_t n_tiles = static_cast<int64_t>(tiles.size()), n_blocks = static_cast<int64_t>(blocks.size());
